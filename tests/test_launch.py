@@ -1,0 +1,154 @@
+"""run_distributed: results per rank, prompt errors naming the rank, timeouts, nothing left behind."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from utils.launch import RankError, RankTimeoutError, run_distributed
+
+
+def rank_and_sum():
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), t
+
+
+def test_results_come_back_per_rank_with_tensors():
+    results = run_distributed(rank_and_sum, 3)
+    assert [r[:2] for r in results] == [(0, 3), (1, 3), (2, 3)]
+    assert all(torch.equal(r[2], torch.tensor([6.0])) for r in results)
+
+
+def test_args_closures_and_lambdas_are_shipped_by_value():
+    offset = 10
+    results = run_distributed(lambda a, b: a * b + offset + dist.get_rank(), 2, 3, 4)
+    assert results == [22, 23]
+
+
+def test_torchrun_variables_are_set():
+    results = run_distributed(lambda: (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]), 2)
+    assert results == [("0", "2", "0"), ("1", "2", "1")]
+
+
+def test_prints_are_shown_in_rank_order(capsys):
+    run_distributed(lambda: print("hello from", dist.get_rank()), 2)
+    assert capsys.readouterr().out == "[rank 0] hello from 0\n[rank 1] hello from 1\n"
+
+
+def _gone(pids):
+    alive = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return not alive
+
+
+def _raise_on_rank_1_while_others_hang(pid_dir):
+    # Every rank records its pid and the pid of a DataLoader-like grandchild, then rank 1 raises
+    # while the others wait in a collective that will never complete.
+    import multiprocessing as mp
+
+    rank = dist.get_rank()
+    child = mp.get_context("fork").Process(target=time.sleep, args=(600,))
+    child.start()
+    with open(os.path.join(pid_dir, f"{rank}"), "w") as f:
+        f.write(f"{os.getpid()} {child.pid}")
+    if rank == 1:
+        raise ValueError("bad batch on purpose")
+    dist.barrier()
+
+
+def test_a_rank_that_raises_is_named_promptly_and_nothing_survives(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_distributed(_raise_on_rank_1_while_others_hang, 3, str(tmp_path), timeout=120)
+    elapsed = time.monotonic() - start
+    assert elapsed < 30, f"the error took {elapsed:.1f} s"
+    err = info.value
+    assert err.rank == 1 and err.exc_type == "ValueError"
+    assert "rank 1 failed with ValueError: bad batch on purpose" in str(err)
+    assert "_raise_on_rank_1_while_others_hang" in err.remote_traceback
+    time.sleep(0.5)
+    pids = [int(p) for f in tmp_path.iterdir() for p in f.read_text().split()]
+    assert len(pids) >= 4  # rank 1 and its grandchild at least
+    assert _gone(pids), "a rank or a rank's child outlived run_distributed"
+
+
+def test_a_hung_rank_ends_at_the_timeout_with_its_stack(tmp_path):
+    def hang_on_rank_0():
+        with open(os.path.join(str(tmp_path), str(dist.get_rank())), "w") as f:
+            f.write(str(os.getpid()))
+        if dist.get_rank() == 0:
+            dist.barrier()  # rank 1 never joins
+        return "done"
+
+    start = time.monotonic()
+    with pytest.raises(RankTimeoutError) as info:
+        run_distributed(hang_on_rank_0, 2, timeout=3)
+    assert 3 <= time.monotonic() - start < 15
+    assert info.value.pending == [0] and info.value.finished == [1]
+    assert "hang_on_rank_0" in info.value.stacks[0]
+    time.sleep(0.5)
+    assert _gone([int(f.read_text()) for f in tmp_path.iterdir()])
+
+
+def test_a_rank_that_dies_without_python_is_reported():
+    with pytest.raises(RankError, match="rank 1 failed with ProcessExit"):
+        run_distributed(lambda: os._exit(3) if dist.get_rank() == 1 else dist.barrier(), 2, timeout=60)
+
+
+def test_two_calls_in_a_row_and_in_parallel_do_not_collide():
+    assert run_distributed(lambda: dist.get_rank(), 2) == [0, 1]
+    assert run_distributed(lambda: dist.get_rank(), 2) == [0, 1]
+    # Two independent Python processes (two notebooks) each calling at the same time.
+    script = textwrap.dedent(
+        """
+        import torch.distributed as dist
+        from utils.launch import run_distributed
+        def f():
+            return dist.get_world_size()
+        if __name__ == "__main__":
+            for _ in range(3):
+                assert run_distributed(f, 2) == [2, 2]
+            print("ok")
+        """
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert all(o.strip() == "ok" for o in outs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, text",
+    [
+        ({"world_size": 0}, ValueError, "world_size=0"),
+        ({"world_size": 2, "timeout": 0}, ValueError, "timeout must be a positive"),
+        ({"world_size": 2, "backend": "nope"}, ValueError, "backend='nope'"),
+    ],
+)
+def test_bad_arguments(kwargs, error, text):
+    with pytest.raises(error, match=text):
+        run_distributed(rank_and_sum, **kwargs)
+
+
+def test_call_overhead():
+    """What one call costs, stated here: after the first call the fork server has torch loaded."""
+    run_distributed(lambda: None, 2)  # warm-up: starts the fork server
+    start = time.monotonic()
+    for _ in range(3):
+        run_distributed(lambda: None, 2)
+    per_call = (time.monotonic() - start) / 3
+    print(f"\nrun_distributed(world_size=2) costs {per_call:.2f} s per call after the first")
+    assert per_call < 5.0

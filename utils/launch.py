@@ -1,0 +1,288 @@
+"""Run a function on N local ranks that share a process group, from a notebook cell or a script.
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes, initialises a
+``gloo`` (or other) process group in each, calls ``fn(*args)`` on every rank and returns the
+per-rank results as a list. It is built for teaching and testing:
+
+* ``fn`` is shipped by value with cloudpickle, so a function defined in the notebook works;
+* the rendezvous store lives in the calling process on a port the OS picks, so two calls in a row,
+  or two notebooks at once, never collide on a port;
+* a rank that raises makes the call raise :class:`RankError` at once, with that rank's number and
+  traceback; a rank that hangs makes it raise :class:`RankTimeoutError` at the timeout, with the
+  Python stack the hung rank was blocked in;
+* every rank runs in its own process group (``setpgrp``), and the call kills those groups before
+  it returns, so no rank and no DataLoader worker of a rank outlives it;
+* what a rank prints is captured and printed after the call, rank by rank, in rank order, so
+  the output of a cell is the same every time it runs.
+
+Ranks are forked from a ``forkserver`` that imported torch once, so a call costs a fraction of
+a second after the first one (see ``tests/test_launch.py::test_call_overhead``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import io
+import multiprocessing as mp
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import wait
+from typing import Any, Callable
+
+import cloudpickle
+import psutil
+import torch
+import torch.distributed as dist
+
+from ._checks import check_int
+
+__all__ = ["run_distributed", "RankError", "RankTimeoutError", "RankResult"]
+
+_HOST = "127.0.0.1"
+
+
+class RankError(RuntimeError):
+    """A rank raised an exception (or died) inside ``run_distributed``."""
+
+    def __init__(self, rank: int, exc_type: str, message: str, remote_traceback: str):
+        self.rank = rank
+        self.exc_type = exc_type
+        self.remote_message = message
+        self.remote_traceback = remote_traceback
+        super().__init__(
+            f"rank {rank} failed with {exc_type}: {message}\n\n"
+            f"--- traceback from rank {rank} ---\n{remote_traceback.rstrip()}"
+        )
+
+
+class RankTimeoutError(TimeoutError):
+    """Some ranks did not finish within the timeout; ``stacks`` holds where each was blocked."""
+
+    def __init__(self, timeout: float, pending: list[int], finished: list[int], stacks: dict[int, str]):
+        self.timeout = timeout
+        self.pending = pending
+        self.finished = finished
+        self.stacks = stacks
+        where = "".join(
+            f"\n\n--- rank {r} was blocked here ---\n{stacks[r].rstrip()}" for r in pending if stacks.get(r)
+        )
+        super().__init__(
+            f"ranks {pending} did not finish within timeout={timeout:g} s "
+            f"(ranks {finished} had finished); all ranks were stopped{where}"
+        )
+
+
+@dataclass
+class RankResult:
+    """What one rank sends back: its return value and what it printed."""
+
+    rank: int
+    value: Any
+    output: str
+
+
+def _set_rank_env(rank: int, world_size: int, port: int) -> None:
+    # The variables torchrun sets, so code written for torchrun runs unchanged on these ranks.
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR=_HOST,
+        MASTER_PORT=str(port),
+    )
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    # Ranks are not daemonic (they may start DataLoader workers), so if the calling process dies
+    # without cleaning up, each rank notices here and kills its own process group.
+    while True:
+        time.sleep(1.0)
+        if not psutil.pid_exists(parent_pid):
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def _rank_main(rank, world_size, port, backend, timeout_s, threads, sys_path, payload, conn, stack_file, parent_pid):
+    """Entry point of one rank (runs in the child process)."""
+    os.setpgrp()  # own process group: the parent kills this rank and its workers in one call
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    sys.path[:] = sys_path
+    with open(stack_file, "w") as stack_out:
+        faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=False)
+        _set_rank_env(rank, world_size, port)
+        torch.set_num_threads(threads)
+        captured = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+                store = dist.TCPStore(_HOST, port, world_size + 1, False, timedelta(seconds=timeout_s))
+                dist.init_process_group(
+                    backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+                )
+                fn, args = cloudpickle.loads(payload)
+                value = fn(*args)
+            message = ("ok", RankResult(rank, value, captured.getvalue()))
+        except BaseException as exc:  # report everything, KeyboardInterrupt and SystemExit too
+            message = ("error", rank, type(exc).__name__, str(exc), traceback.format_exc(), captured.getvalue())
+        try:
+            conn.send_bytes(cloudpickle.dumps(message))
+        except Exception as exc:  # e.g. a return value that cannot be pickled
+            conn.send_bytes(
+                cloudpickle.dumps(("error", rank, type(exc).__name__, f"could not send the result back: {exc}",
+                                   traceback.format_exc(), captured.getvalue()))
+            )
+        # Keep the process group alive until the parent says every rank is done, so that a rank
+        # that finishes early does not tear down connections the others still use.
+        with contextlib.suppress(EOFError, OSError):
+            conn.recv_bytes()
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+def _context() -> mp.context.BaseContext:
+    if sys.platform == "linux":
+        ctx = mp.get_context("forkserver")
+        # Import torch once in the fork server; every rank is then a cheap fork of it.
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "utils.launch"])
+        return ctx
+    return mp.get_context("spawn")
+
+
+def _kill_rank(proc) -> None:
+    if proc.pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # the rank and everything it started
+    with contextlib.suppress(Exception):
+        proc.kill()
+
+
+def _read_stack(proc, stack_file: str) -> str:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 1.0
+    text = ""
+    while time.monotonic() < deadline:
+        with open(stack_file) as f:
+            text = f.read()
+        if text:
+            break
+        time.sleep(0.02)
+    return text
+
+
+def _print_outputs(outputs: dict[int, str]) -> None:
+    for rank in sorted(outputs):
+        for line in outputs[rank].splitlines():
+            print(f"[rank {rank}] {line}")
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    threads_per_rank: int = 1,
+    show_output: bool = True,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` local ranks sharing a process group; return each rank's result.
+
+    ``fn`` finds its rank with ``torch.distributed.get_rank()``. Results come back in rank order
+    (tensors included). Raises :class:`RankError` as soon as a rank fails and
+    :class:`RankTimeoutError` if ranks are still running after ``timeout`` seconds; in every
+    case all rank processes are gone when the call returns.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    world_size = check_int("world_size", world_size, minimum=1)
+    threads_per_rank = check_int("threads_per_rank", threads_per_rank, minimum=1)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if not isinstance(backend, str) or not dist.is_backend_available(backend):
+        raise ValueError(f"backend={backend!r} is not available in this torch build; use 'gloo' on CPU")
+
+    payload = cloudpickle.dumps((fn, args))
+    ctx = _context()
+    # The rendezvous store listens in this process on a port the OS picks: no races for ports.
+    store = dist.TCPStore(_HOST, 0, world_size + 1, True, timedelta(seconds=timeout), wait_for_workers=False)
+    tmpdir = tempfile.TemporaryDirectory(prefix="run_distributed_")
+    procs, conns, stack_files = [], [], []
+    outputs: dict[int, str] = {}
+    results: list[Any] = [None] * world_size
+    pending = set(range(world_size))
+    try:
+        for rank in range(world_size):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            stack_file = os.path.join(tmpdir.name, f"stack{rank}.txt")
+            proc = ctx.Process(
+                target=_rank_main,
+                args=(rank, world_size, store.port, backend, float(timeout), threads_per_rank,
+                      list(sys.path), payload, child_end, stack_file, os.getpid()),
+                name=f"rank{rank}",
+                daemon=False,  # a rank must be able to start DataLoader workers
+            )
+            proc.start()
+            child_end.close()
+            procs.append(proc)
+            conns.append(parent_end)
+            stack_files.append(stack_file)
+
+        deadline = time.monotonic() + timeout
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                stacks = {r: _read_stack(procs[r], stack_files[r]) for r in sorted(pending)}
+                _print_outputs(outputs)
+                raise RankTimeoutError(timeout, sorted(pending), sorted(set(range(world_size)) - pending), stacks)
+            watch = {conns[r]: r for r in pending}
+            watch.update({procs[r].sentinel: r for r in pending})
+            for ready in wait(list(watch), timeout=remaining):
+                rank = watch[ready]
+                if rank not in pending:
+                    continue
+                if conns[rank].poll():
+                    try:
+                        message = cloudpickle.loads(conns[rank].recv_bytes())
+                    except EOFError:
+                        message = None
+                else:
+                    message = None
+                if message is None:
+                    procs[rank].join(1.0)
+                    _print_outputs(outputs)
+                    raise RankError(rank, "ProcessExit", f"the process exited with code {procs[rank].exitcode} "
+                                    "before returning a result", "(no Python traceback: the process died)")
+                if message[0] == "error":
+                    _, rank, exc_type, text, tb, output = message
+                    outputs[rank] = output
+                    _print_outputs(outputs)
+                    raise RankError(rank, exc_type, text, tb)
+                result = message[1]
+                results[rank] = result.value
+                outputs[rank] = result.output
+                pending.discard(rank)
+        for conn in conns:  # every rank is done: let them tear down the process group
+            with contextlib.suppress(OSError):
+                conn.send_bytes(b"done")
+        for proc in procs:
+            proc.join(10.0)
+    finally:
+        for proc in procs:
+            _kill_rank(proc)
+        for proc in procs:
+            proc.join(5.0)
+        for conn in conns:
+            conn.close()
+        tmpdir.cleanup()
+    if show_output:
+        _print_outputs(outputs)
+    return results
