@@ -28,7 +28,7 @@ test-notebooks: $(STAMP)
 
 ## make bench: ShardSampler against DistributedSampler at n = 10^7, 8 replicas (not a timed test)
 bench: $(STAMP)
-	$(BIN)/python -m utils.bench sampler
+	$(BIN)/python -m utils.bench sampler --out book/results/sampler_bench_cpu.json
 
 clean:
 	rm -rf _build

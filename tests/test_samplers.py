@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
@@ -18,15 +18,21 @@ def torch_and_ours(n, world, rank, shuffle, seed, epoch, drop_last):
     return theirs, ours
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
-    n=st.one_of(st.integers(0, 70), st.integers(0, 10_000)),
+    # small sizes hit the corner cases (n < world, n == 0); large ones the real arithmetic
+    n=st.one_of(st.integers(0, 70), st.integers(0, 10_000), st.integers(9_000, 10_000)),
     world=st.integers(1, 64),
     shuffle=st.booleans(),
     seed=st.integers(0, 2**31),
     epoch=st.integers(0, 1000),
     drop_last=st.booleans(),
 )
+@example(n=10_000, world=64, shuffle=True, seed=0, epoch=0, drop_last=False)
+@example(n=10_000, world=64, shuffle=True, seed=2**31, epoch=1000, drop_last=True)
+@example(n=9_999, world=63, shuffle=False, seed=0, epoch=0, drop_last=False)
+@example(n=9_973, world=64, shuffle=True, seed=7, epoch=3, drop_last=True)
+@example(n=63, world=64, shuffle=True, seed=1, epoch=1, drop_last=False)
 def test_equal_to_distributed_sampler_on_every_rank(n, world, shuffle, seed, epoch, drop_last):
     for rank in range(world):
         theirs, ours = torch_and_ours(n, world, rank, shuffle, seed, epoch, drop_last)
