@@ -122,10 +122,11 @@ def _rank_main(rank, world_size, port, backend, timeout_s, threads, sys_path, pa
         captured = io.StringIO()
         try:
             with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
-                store = dist.TCPStore(_HOST, port, world_size + 1, False, timedelta(seconds=timeout_s))
-                dist.init_process_group(
-                    backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-                )
+                # Collectives time out well after the caller's deadline, so that a hang is always
+                # reported the same way: by the caller, with the stack each hung rank is blocked in.
+                pg_timeout = timedelta(seconds=timeout_s + 60)
+                store = dist.TCPStore(_HOST, port, world_size + 1, False, pg_timeout)
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
                 fn, args = cloudpickle.loads(payload)
                 value = fn(*args)
             message = ("ok", RankResult(rank, value, captured.getvalue()))
