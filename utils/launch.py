@@ -116,7 +116,8 @@ def _rank_main(rank, world_size, port, backend, timeout_s, threads, sys_path, pa
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     sys.path[:] = sys_path
     with open(stack_file, "w") as stack_out:
-        faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=False)
+        # SIGUSR1 may land on any thread (gloo has its own), so dump them all.
+        faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
         _set_rank_env(rank, world_size, port)
         torch.set_num_threads(threads)
         captured = io.StringIO()
@@ -175,7 +176,9 @@ def _read_stack(proc, stack_file: str) -> str:
         with open(stack_file) as f:
             text = f.read()
         if text:
-            break
+            time.sleep(0.2)  # let the dump finish
+            with open(stack_file) as f:
+                return f.read()
         time.sleep(0.02)
     return text
 
