@@ -1,6 +1,6 @@
 # The two commands of the README. Each sets up .venv from requirements.txt when it is missing
 # or older than requirements.txt, so both work on a fresh machine with nothing installed by hand.
-PYTHON ?= python3.11
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
