@@ -6,12 +6,16 @@ vector ``[i + 1] * n`` with a 0/1 label, so that printing a batch shows which in
 
 from __future__ import annotations
 
+import itertools
+from typing import Callable, Iterable, Iterator, Union
+
 import numpy as np
-from torch.utils.data import Dataset
+import torch.distributed as dist
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from ._checks import check_int
+from ._checks import check_int, check_rank
 
-__all__ = ["Simple"]
+__all__ = ["Simple", "ShardedIterable", "global_worker"]
 
 
 class Simple(Dataset):
@@ -47,3 +51,65 @@ class Simple(Dataset):
 
     def __repr__(self) -> str:
         return f"Simple(m={self.m}, n={self.n}, seed={self.seed})"
+
+
+def global_worker(rank: int, world_size: int, worker_id: int, num_workers: int) -> tuple[int, int]:
+    """``(global_id, total)``: this worker's number among all workers of all ranks, and their count.
+
+    With ``num_workers=0`` the rank's main process loads the data and counts as one worker.
+    """
+    world_size = check_int("world_size", world_size, minimum=1)
+    rank = check_rank(rank, world_size)
+    num_workers = max(check_int("num_workers", num_workers, minimum=0), 1)
+    worker_id = check_int("worker_id", worker_id, minimum=0)
+    if worker_id >= num_workers:
+        raise ValueError(f"worker_id={worker_id} is out of range for num_workers={num_workers}")
+    return rank * num_workers + worker_id, world_size * num_workers
+
+
+class ShardedIterable(IterableDataset):
+    """Wrap a re-iterable stream so each element is yielded exactly once across all ranks and workers.
+
+    Worker ``w`` of rank ``r`` (of ``R`` ranks with ``W`` workers each) keeps the elements at
+    positions ``g, g + R*W, g + 2*R*W, ...`` with ``g = r*W + w``. ``rank`` and ``world_size``
+    default to the process group's, or to a single process when there is none. Every worker
+    reads (and skips) the whole stream, which is the price of sharding a stream without an index.
+    """
+
+    def __init__(
+        self,
+        source: Union[Iterable, Callable[[], Iterator]],
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        if not hasattr(source, "__iter__") and not callable(source):
+            raise TypeError(f"source must be iterable or a function returning an iterator, got {type(source).__name__}")
+        if hasattr(source, "__iter__") and iter(source) is source:
+            raise TypeError(
+                "source is a one-shot iterator; every worker must read the stream from its start, so pass "
+                "a re-iterable (a list, a range, a data set) or a function that returns a new iterator"
+            )
+        self.source = source
+        if (rank is None) != (world_size is None):
+            raise ValueError("pass both rank and world_size, or neither (to use the process group's)")
+        if world_size is not None:
+            world_size = check_int("world_size", world_size, minimum=1)
+            rank = check_rank(rank, world_size)
+        self.rank, self.world_size = rank, world_size
+
+    def shard(self, rank: int, world_size: int, worker_id: int = 0, num_workers: int = 0) -> Iterator:
+        """The elements worker ``worker_id`` of ``num_workers`` on rank ``rank`` of ``world_size`` yields."""
+        start, step = global_worker(rank, world_size, worker_id, num_workers)
+        stream = iter(self.source) if hasattr(self.source, "__iter__") else self.source()
+        return itertools.islice(stream, start, None, step)
+
+    def __iter__(self) -> Iterator:
+        if self.world_size is not None:
+            rank, world_size = self.rank, self.world_size
+        elif dist.is_available() and dist.is_initialized():
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+        else:
+            rank, world_size = 0, 1
+        info = get_worker_info()
+        worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 0)
+        return self.shard(rank, world_size, worker_id, num_workers)

@@ -113,6 +113,9 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 def _rank_main(rank, world_size, port, backend, timeout_s, threads, sys_path, payload, conn, stack_file, parent_pid):
     """Entry point of one rank (runs in the child process)."""
     os.setpgrp()  # own process group: the parent kills this rank and its workers in one call
+    # Forkserver children inherit 'forkserver' as their start method; give DataLoader workers
+    # the platform default instead, as in a process started by torchrun.
+    mp.set_start_method(None, force=True)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     sys.path[:] = sys_path
     with open(stack_file, "w") as stack_out:
