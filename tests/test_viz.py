@@ -39,3 +39,13 @@ def test_shard_explorer_builds_and_redraws():
                                                  "drop_last", "batch size"]
     sliders[1].value = 4  # a new world size redraws without error
     plt.close("all")
+
+
+def test_categories_colour_cells_and_add_a_legend():
+    from utils.viz import plot_index_rows
+
+    fig = plot_index_rows({"a": [0, 1, 2], "b": [3, 4, 5]}, 6, categories={"a": [0, 1, 0], "b": [1, 1, 0]})
+    faces = [tuple(c.get_facecolor()) for c in _cells(fig)]
+    assert faces[0] == faces[2] != faces[1]
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["worker 0", "worker 1"]
+    plt.close(fig)

@@ -29,18 +29,28 @@ def plot_index_rows(
     title: str | None = None,
     ax=None,
     cmap: str = "viridis",
+    categories: Mapping[str, Sequence[int]] | None = None,
+    category_name: str = "worker",
 ):
-    """Draw labelled rows of indices as a grid; cells in ``marked`` ((row, position) pairs) are hatched."""
+    """Draw labelled rows of indices as a grid; cells in ``marked`` ((row, position) pairs) are hatched.
+
+    With ``categories`` (one int per cell, e.g. the worker that loaded it) cells are coloured by
+    category instead of by index, with a legend.
+    """
     labels = list(rows)
     width = max((len(r) for r in rows.values()), default=0)
     if ax is None:
         fig_w = min(max(6.0, 0.45 * width + 2.0), 16.0)
         _, ax = plt.subplots(figsize=(fig_w, 0.5 * len(labels) + 1.0))
     colours = plt.get_cmap(cmap)
+    palette = plt.get_cmap("tab10")
     show_text = width <= 40
     for r, label in enumerate(labels):
         for p, index in enumerate(rows[label]):
-            shade = colours(index / max(dataset_len - 1, 1))
+            if categories is not None:
+                shade = palette(categories[label][p] % 10)
+            else:
+                shade = colours(index / max(dataset_len - 1, 1))
             pad = (r, p) in marked
             ax.add_patch(Rectangle((p, r), 1, 1, facecolor=shade, edgecolor=_PAD_COLOUR if pad else "white",
                                    linewidth=2.5 if pad else 1, hatch="//" if pad else None))
@@ -60,6 +70,11 @@ def plot_index_rows(
     ax.tick_params(length=0)
     for side in ax.spines.values():
         side.set_visible(False)
+    if categories is not None:
+        found = sorted({c for row in categories.values() for c in row})
+        ax.legend(handles=[Rectangle((0, 0), 1, 1, facecolor=palette(c % 10)) for c in found],
+                  labels=[f"{category_name} {c}" for c in found], loc="upper left", bbox_to_anchor=(1.0, 1.0),
+                  frameon=False, fontsize=8)
     if marked:
         title = (title + "\n" if title else "") + "hatched red cells: padding (repeated samples)"
     if title:
