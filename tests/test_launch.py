@@ -152,3 +152,18 @@ def test_call_overhead():
     per_call = (time.monotonic() - start) / 3
     print(f"\nrun_distributed(world_size=2) costs {per_call:.2f} s per call after the first")
     assert per_call < 5.0
+
+
+def test_the_callers_warning_filters_apply_on_every_rank(capsys):
+    import warnings
+
+    def warn():
+        warnings.warn("noisy but harmless", UserWarning)
+        return True
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="noisy but harmless")
+        assert run_distributed(warn, 2) == [True, True]
+    assert "noisy" not in capsys.readouterr().out
+    run_distributed(warn, 2)
+    assert "noisy but harmless" in capsys.readouterr().out

@@ -13,7 +13,8 @@ per-rank results as a list. It is built for teaching and testing:
 * every rank runs in its own process group (``setpgrp``), and the call kills those groups before
   it returns, so no rank and no DataLoader worker of a rank outlives it;
 * what a rank prints is captured and printed after the call, rank by rank, in rank order, so
-  the output of a cell is the same every time it runs.
+  the output of a cell is the same every time it runs; the caller's warning filters apply on
+  every rank.
 
 Ranks are forked from a ``forkserver`` that imported torch once, so a call costs a fraction of
 a second after the first one (see ``tests/test_launch.py::test_call_overhead``).
@@ -32,6 +33,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
@@ -131,7 +133,8 @@ def _rank_main(rank, world_size, port, backend, timeout_s, threads, sys_path, pa
                 pg_timeout = timedelta(seconds=timeout_s + 60)
                 store = dist.TCPStore(_HOST, port, world_size + 1, False, pg_timeout)
                 dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
-                fn, args = cloudpickle.loads(payload)
+                fn, args, warning_filters = cloudpickle.loads(payload)
+                warnings.filters[:] = warning_filters  # the caller's warning filters apply on every rank
                 value = fn(*args)
             message = ("ok", RankResult(rank, value, captured.getvalue()))
         except BaseException as exc:  # report everything, KeyboardInterrupt and SystemExit too
@@ -217,7 +220,7 @@ def run_distributed(
     if not isinstance(backend, str) or not dist.is_backend_available(backend):
         raise ValueError(f"backend={backend!r} is not available in this torch build; use 'gloo' on CPU")
 
-    payload = cloudpickle.dumps((fn, args))
+    payload = cloudpickle.dumps((fn, args, list(warnings.filters)))
     ctx = _context()
     # The rendezvous store listens in this process on a port the OS picks: no races for ports.
     store = dist.TCPStore(_HOST, 0, world_size + 1, True, timedelta(seconds=timeout), wait_for_workers=False)
