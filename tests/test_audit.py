@@ -34,17 +34,20 @@ def test_partition_and_tensors_and_out_of_range():
     assert "out of range" in repr(a)
 
 
-def test_disagreeing_seeds_overlap():
+def test_disagreeing_seeds_overlap_without_padding():
     shards = [list(ShardSampler(range(100), 2, r, seed=r)) for r in range(2)]
     a = audit_shards(shards, 100)
     assert not a.disjoint and a.missing and a.duplicates
+    assert a.padding == ()  # 100 splits evenly: the repeats are duplicates, not padding
 
 
 def test_repr_is_readable():
     text = repr(audit_shards([[0, 1], [2, 0]], 4))
     assert "per-rank counts : [2, 2]" in text
     assert "missing 1: [3]" in text
-    assert "padding         : 1 repeated slots" in text
+    assert "padding         : 0 slots beyond dataset_len" in text
+    assert "duplicates      : 1 indices seen more than once: {0x2}" in text
+    assert "padding         : 1 slots" in repr(audit_shards([[0, 1], [2, 0]], 3))
 
 
 @given(n=st.integers(0, 300), world=st.integers(1, 9), seed=st.integers(0, 99))
@@ -59,7 +62,7 @@ def test_shard_sampler_without_drop_last_covers_everything_once_plus_padding(n, 
 @pytest.mark.parametrize(
     "shards, n, error",
     [([], 3, ValueError), ("abc", 3, TypeError), ([[0.5]], 3, TypeError), ([[0]], -1, ValueError),
-     ([torch.zeros(2, 2, dtype=torch.long)], 4, ValueError)],
+     ([torch.zeros(2, 2, dtype=torch.long)], 4, ValueError), ([torch.tensor([0.0, 1.0])], 4, TypeError)],
 )
 def test_bad_input(shards, n, error):
     with pytest.raises(error):

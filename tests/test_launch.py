@@ -167,3 +167,39 @@ def test_the_callers_warning_filters_apply_on_every_rank(capsys):
     assert "noisy" not in capsys.readouterr().out
     run_distributed(warn, 2)
     assert "noisy but harmless" in capsys.readouterr().out
+
+
+def test_a_tiny_timeout_is_a_timeout_error_even_before_ranks_run():
+    with pytest.raises(RankTimeoutError):
+        run_distributed(lambda: time.sleep(5), 2, timeout=0.05)
+
+
+def test_a_thread_left_running_does_not_delay_the_return():
+    import threading
+
+    def leave_a_thread():
+        threading.Thread(target=time.sleep, args=(60,)).start()  # not a daemon
+        return dist.get_rank()
+
+    start = time.monotonic()
+    assert run_distributed(leave_a_thread, 3, timeout=20) == [0, 1, 2]
+    assert time.monotonic() - start < 10
+
+
+def test_environment_set_after_the_first_call_reaches_the_ranks(monkeypatch):
+    run_distributed(lambda: None, 1)
+    monkeypatch.setenv("BOOK_TEST_SETTING", "late")
+    assert run_distributed(lambda: os.environ.get("BOOK_TEST_SETTING"), 2) == ["late", "late"]
+
+
+def test_every_ranks_output_is_shown_when_one_fails(capsys):
+    def print_then_fail():
+        print("rank", dist.get_rank(), "was here")
+        if dist.get_rank() == 1:
+            raise RuntimeError("boom")
+        dist.barrier()
+
+    with pytest.raises(RankError, match="rank 1 failed with RuntimeError: boom"):
+        run_distributed(print_then_fail, 2, timeout=60)
+    out = capsys.readouterr().out
+    assert "[rank 0] rank 0 was here" in out and "[rank 1] rank 1 was here" in out

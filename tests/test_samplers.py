@@ -24,7 +24,7 @@ def torch_and_ours(n, world, rank, shuffle, seed, epoch, drop_last):
     n=st.one_of(st.integers(0, 70), st.integers(0, 10_000), st.integers(9_000, 10_000)),
     world=st.integers(1, 64),
     shuffle=st.booleans(),
-    seed=st.integers(0, 2**31),
+    seed=st.one_of(st.integers(0, 2**31), st.integers(2**63 - 10, 2**64 - 1001)),
     epoch=st.integers(0, 1000),
     drop_last=st.booleans(),
 )
@@ -89,6 +89,7 @@ class Unsized:
         ({"num_replicas": 2, "rank": True}, TypeError, r"rank must be an integer"),
         ({"num_replicas": 2, "rank": 0, "seed": -1}, ValueError, r"seed=-1 is out of range"),
         ({"num_replicas": 2, "rank": 0, "seed": 1.5}, TypeError, r"seed must be an integer"),
+        ({"num_replicas": 2, "rank": 0, "seed": 2**64}, ValueError, r"seed=18446744073709551616 is out of range; expected seed <= 18446744073709551615"),
         ({"num_replicas": 2, "rank": 0, "shuffle": 1}, TypeError, r"shuffle must be True or False"),
         ({"num_replicas": 2, "rank": 0, "drop_last": None}, TypeError, r"drop_last must be True or False"),
     ],
@@ -109,3 +110,11 @@ def test_bad_epoch(epoch, error):
     with pytest.raises(error, match="epoch"):
         s.set_epoch(epoch)
     assert s.epoch == 0  # a rejected value changes nothing
+
+
+def test_seed_plus_epoch_must_fit_a_generator_seed():
+    s = ShardSampler(range(10), num_replicas=2, rank=0, seed=2**64 - 1)
+    assert list(s) == list(DistributedSampler(range(10), num_replicas=2, rank=0, seed=2**64 - 1))
+    with pytest.raises(ValueError, match=r"seed \+ epoch = 18446744073709551616 is out of range"):
+        s.set_epoch(1)
+    assert s.epoch == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 
 
-def check_int(name: str, value, *, minimum: int | None = None) -> int:
+def check_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
     """Return ``value`` as an int, or raise ``TypeError``/``ValueError`` naming ``name``.
 
     Booleans are rejected even though ``bool`` is a subclass of ``int``: ``rank=True`` is a bug.
@@ -15,6 +15,8 @@ def check_int(name: str, value, *, minimum: int | None = None) -> int:
     value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}={value} is out of range; expected {name} >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name}={value} is out of range; expected {name} <= {maximum}")
     return value
 
 

@@ -17,9 +17,11 @@ __all__ = ["ShardAudit", "audit_shards"]
 class ShardAudit:
     """What a set of per-rank shards covers, repeats and shares.
 
-    ``padding`` lists ``(rank, position, index)`` for every occurrence of an index that was
-    already seen earlier in the global order, the order ``DistributedSampler`` deals indices in:
-    position 0 of rank 0, 1, ..., then position 1 of every rank, and so on.
+    ``padding`` lists ``(rank, position, index)`` for the slots beyond the data set's size in the
+    order ``DistributedSampler`` deals indices in (position 0 of rank 0, 1, ..., then position 1
+    of every rank, ...): slot ``position`` of ``rank`` is global slot
+    ``position * world_size + rank``, and global slots ``>= dataset_len`` can only hold repeats.
+    Other repeated indices show up in ``duplicates`` only.
     """
 
     dataset_len: int
@@ -80,7 +82,7 @@ class ShardAudit:
             f"({self.coverage:.1%}), missing {len(self.missing)}: {short(self.missing)}",
             f"  duplicates      : {len(self.duplicates)} indices seen more than once"
             + (f": {{{dup}}}" if self.duplicates else ""),
-            f"  padding         : {len(self.padding)} repeated slots (rank, pos, index): "
+            f"  padding         : {len(self.padding)} slots beyond dataset_len (rank, pos, index): "
             f"{short(self.padding, 6)}",
             f"  disjoint ranks  : {self.disjoint}",
             f"  is partition    : {self.is_partition}",
@@ -100,6 +102,8 @@ class ShardAudit:
 
 def _as_int_list(shard, rank: int) -> list[int]:
     if isinstance(shard, torch.Tensor):
+        if shard.is_floating_point() or shard.is_complex() or shard.dtype == torch.bool:
+            raise TypeError(f"shards[{rank}] must hold integer indices, got a tensor of dtype {shard.dtype}")
         if shard.dim() > 1:
             raise ValueError(f"shard of rank {rank} must be one-dimensional, got shape {tuple(shard.shape)}")
         return shard.tolist()
@@ -125,15 +129,14 @@ def audit_shards(shards: Sequence[Sequence[int]], dataset_len: int) -> ShardAudi
     missing = tuple(i for i in range(dataset_len) if i not in total)
     duplicates = {i: c for i, c in sorted(total.items()) if c > 1}
 
-    seen: set[int] = set()
-    padding = []
-    for pos in range(max(counts, default=0)):
-        for r in range(world):
-            if pos < counts[r]:
-                i = lists[r][pos]
-                if i in seen:
-                    padding.append((r, pos, i))
-                seen.add(i)
+    # Padding, in DistributedSampler's layout: slot `pos` of rank `r` is global position
+    # pos * world + r, and slots at positions >= dataset_len exist only to even out the ranks.
+    padding = [
+        (r, pos, lists[r][pos])
+        for pos in range(max(counts, default=0))
+        for r in range(world)
+        if pos < counts[r] and pos * world + r >= dataset_len
+    ]
 
     sets = [set(s) for s in lists]
     overlap = tuple(tuple(len(sets[a] & sets[b]) for b in range(world)) for a in range(world))

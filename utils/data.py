@@ -7,6 +7,7 @@ vector ``[i + 1] * n`` with a 0/1 label, so that printing a batch shows which in
 from __future__ import annotations
 
 import itertools
+import operator
 from typing import Callable, Iterable, Iterator, Union
 
 import numpy as np
@@ -43,8 +44,12 @@ class Simple(Dataset):
         return self.m
 
     def __getitem__(self, idx: int):
-        if isinstance(idx, bool) or not isinstance(idx, (int, np.integer)):
+        if isinstance(idx, bool):
             raise TypeError(f"index must be an integer, got {idx!r}")
+        try:
+            idx = operator.index(idx)  # ints, NumPy integers and 0-d integer tensors
+        except TypeError:
+            raise TypeError(f"index must be an integer, got {idx!r}") from None
         if not -self.m <= idx < self.m:
             raise IndexError(f"index {idx} is out of range for Simple(m={self.m})")
         return self._x[idx], self._y[idx]

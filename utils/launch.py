@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import io
 import multiprocessing as mp
 import os
 import signal
@@ -34,7 +33,6 @@ import threading
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any, Callable
@@ -46,7 +44,7 @@ import torch.distributed as dist
 
 from ._checks import check_int
 
-__all__ = ["run_distributed", "RankError", "RankTimeoutError", "RankResult"]
+__all__ = ["run_distributed", "RankError", "RankTimeoutError"]
 
 _HOST = "127.0.0.1"
 
@@ -82,17 +80,10 @@ class RankTimeoutError(TimeoutError):
         )
 
 
-@dataclass
-class RankResult:
-    """What one rank sends back: its return value and what it printed."""
-
-    rank: int
-    value: Any
-    output: str
-
-
 def _set_rank_env(rank: int, world_size: int, port: int) -> None:
-    # The variables torchrun sets, so code written for torchrun runs unchanged on these ranks.
+    # The variables torchrun sets, so code that reads them (RANK, LOCAL_RANK, WORLD_SIZE) works
+    # on these ranks. The default process group is already initialised: fn must not call
+    # init_process_group again (use dist.new_group for sub-groups).
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -103,62 +94,76 @@ def _set_rank_env(rank: int, world_size: int, port: int) -> None:
     )
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
+def _parent_alive(pid: int, create_time: float) -> bool:
+    try:
+        return psutil.Process(pid).create_time() == create_time  # same pid *and* the same process
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _exit_when_orphaned(parent_pid: int, parent_create_time: float) -> None:
     # Ranks are not daemonic (they may start DataLoader workers), so if the calling process dies
     # without cleaning up, each rank notices here and kills its own process group.
     while True:
         time.sleep(1.0)
-        if not psutil.pid_exists(parent_pid):
+        if not _parent_alive(parent_pid, parent_create_time):
             os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
-def _rank_main(rank, world_size, port, backend, timeout_s, threads, sys_path, payload, conn, stack_file, parent_pid):
+def _rank_main(rank, world_size, port, backend, timeout_s, threads, sys_path, environ, payload, conn, files, parent):
     """Entry point of one rank (runs in the child process)."""
     os.setpgrp()  # own process group: the parent kills this rank and its workers in one call
+    # The fork server was started with the environment of the first call; use the caller's now.
+    os.environ.clear()
+    os.environ.update(environ)
     # Forkserver children inherit 'forkserver' as their start method; give DataLoader workers
     # the platform default instead, as in a process started by torchrun.
     mp.set_start_method(None, force=True)
-    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_exit_when_orphaned, args=parent, daemon=True).start()
     sys.path[:] = sys_path
-    with open(stack_file, "w") as stack_out:
-        # SIGUSR1 may land on any thread (gloo has its own), so dump them all.
-        faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
-        _set_rank_env(rank, world_size, port)
-        torch.set_num_threads(threads)
-        captured = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
-                # Collectives time out well after the caller's deadline, so that a hang is always
-                # reported the same way: by the caller, with the stack each hung rank is blocked in.
-                pg_timeout = timedelta(seconds=timeout_s + 60)
-                store = dist.TCPStore(_HOST, port, world_size + 1, False, pg_timeout)
-                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
-                fn, args, warning_filters = cloudpickle.loads(payload)
-                warnings.filters[:] = warning_filters  # the caller's warning filters apply on every rank
-                value = fn(*args)
-            message = ("ok", RankResult(rank, value, captured.getvalue()))
-        except BaseException as exc:  # report everything, KeyboardInterrupt and SystemExit too
-            message = ("error", rank, type(exc).__name__, str(exc), traceback.format_exc(), captured.getvalue())
-        try:
-            conn.send_bytes(cloudpickle.dumps(message))
-        except Exception as exc:  # e.g. a return value that cannot be pickled
-            conn.send_bytes(
-                cloudpickle.dumps(("error", rank, type(exc).__name__, f"could not send the result back: {exc}",
-                                   traceback.format_exc(), captured.getvalue()))
-            )
-        # Keep the process group alive until the parent says every rank is done, so that a rank
-        # that finishes early does not tear down connections the others still use.
-        with contextlib.suppress(EOFError, OSError):
-            conn.recv_bytes()
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+    stack_out = open(files["stack"], "w")
+    # SIGUSR1 may land on any thread (gloo has its own), so dump them all.
+    faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
+    open(files["ready"], "w").close()  # from now on the parent may ask for a stack dump
+    _set_rank_env(rank, world_size, port)
+    torch.set_num_threads(threads)
+    # What the rank prints goes to a file, so the caller can show it even if the rank hangs.
+    captured = open(files["output"], "w", buffering=1, encoding="utf-8")
+    try:
+        with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+            # Collectives time out well after the caller's deadline, so that a hang is always
+            # reported the same way: by the caller, with the stack each hung rank is blocked in.
+            pg_timeout = timedelta(seconds=timeout_s + 60)
+            store = dist.TCPStore(_HOST, port, world_size + 1, False, pg_timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
+            fn, args, warning_filters = cloudpickle.loads(payload)
+            warnings.filters[:] = warning_filters  # the caller's warning filters apply on every rank
+            value = fn(*args)
+        message = ("ok", value)
+    except BaseException as exc:  # report everything, KeyboardInterrupt and SystemExit too
+        message = ("error", type(exc).__name__, str(exc), traceback.format_exc())
+    captured.flush()
+    try:
+        conn.send_bytes(cloudpickle.dumps(message))
+    except Exception as exc:  # e.g. a return value that cannot be pickled
+        conn.send_bytes(cloudpickle.dumps(
+            ("error", type(exc).__name__, f"could not send the result back: {exc}", traceback.format_exc())))
+    # Keep the process group alive until the parent says every rank is done, so that a rank
+    # that finishes early does not tear down connections the others still use.
+    with contextlib.suppress(EOFError, OSError):
+        conn.recv_bytes()
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    captured.flush()
+    os._exit(0)  # do not wait for threads or atexit handlers that fn may have left behind
 
 
 def _context() -> mp.context.BaseContext:
     if sys.platform == "linux":
         ctx = mp.get_context("forkserver")
-        # Import torch once in the fork server; every rank is then a cheap fork of it.
+        # Import torch once in the fork server; every rank is then a cheap fork of it. The fork
+        # server is a child of the calling process that lives as long as it does.
         ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "utils.launch"])
         return ctx
     return mp.get_context("spawn")
@@ -173,25 +178,31 @@ def _kill_rank(proc) -> None:
         proc.kill()
 
 
-def _read_stack(proc, stack_file: str) -> str:
+def _read_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _read_stack(proc, files: dict[str, str]) -> str:
+    if not os.path.exists(files["ready"]):
+        return "(the rank had not started running Python code yet)"
     with contextlib.suppress(ProcessLookupError):
         os.kill(proc.pid, signal.SIGUSR1)
     deadline = time.monotonic() + 1.0
-    text = ""
     while time.monotonic() < deadline:
-        with open(stack_file) as f:
-            text = f.read()
-        if text:
+        if _read_file(files["stack"]):
             time.sleep(0.2)  # let the dump finish
-            with open(stack_file) as f:
-                return f.read()
+            return _read_file(files["stack"])
         time.sleep(0.02)
-    return text
+    return ""
 
 
-def _print_outputs(outputs: dict[int, str]) -> None:
-    for rank in sorted(outputs):
-        for line in outputs[rank].splitlines():
+def _print_outputs(all_files: list[dict[str, str]]) -> None:
+    for rank, files in enumerate(all_files):
+        for line in _read_file(files["output"]).splitlines():
             print(f"[rank {rank}] {line}")
 
 
@@ -225,18 +236,20 @@ def run_distributed(
     # The rendezvous store listens in this process on a port the OS picks: no races for ports.
     store = dist.TCPStore(_HOST, 0, world_size + 1, True, timedelta(seconds=timeout), wait_for_workers=False)
     tmpdir = tempfile.TemporaryDirectory(prefix="run_distributed_")
-    procs, conns, stack_files = [], [], []
-    outputs: dict[int, str] = {}
+    me = psutil.Process()
+    parent = (me.pid, me.create_time())
+    procs, conns = [], []
+    files = [{kind: os.path.join(tmpdir.name, f"{kind}{rank}") for kind in ("stack", "ready", "output")}
+             for rank in range(world_size)]
     results: list[Any] = [None] * world_size
     pending = set(range(world_size))
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
-            stack_file = os.path.join(tmpdir.name, f"stack{rank}.txt")
             proc = ctx.Process(
                 target=_rank_main,
                 args=(rank, world_size, store.port, backend, float(timeout), threads_per_rank,
-                      list(sys.path), payload, child_end, stack_file, os.getpid()),
+                      list(sys.path), dict(os.environ), payload, child_end, files[rank], parent),
                 name=f"rank{rank}",
                 daemon=False,  # a rank must be able to start DataLoader workers
             )
@@ -244,14 +257,12 @@ def run_distributed(
             child_end.close()
             procs.append(proc)
             conns.append(parent_end)
-            stack_files.append(stack_file)
 
         deadline = time.monotonic() + timeout
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                stacks = {r: _read_stack(procs[r], stack_files[r]) for r in sorted(pending)}
-                _print_outputs(outputs)
+                stacks = {r: _read_stack(procs[r], files[r]) for r in sorted(pending)}
                 raise RankTimeoutError(timeout, sorted(pending), sorted(set(range(world_size)) - pending), stacks)
             watch = {conns[r]: r for r in pending}
             watch.update({procs[r].sentinel: r for r in pending})
@@ -259,32 +270,25 @@ def run_distributed(
                 rank = watch[ready]
                 if rank not in pending:
                     continue
+                message = None
                 if conns[rank].poll():
-                    try:
+                    with contextlib.suppress(EOFError):
                         message = cloudpickle.loads(conns[rank].recv_bytes())
-                    except EOFError:
-                        message = None
-                else:
-                    message = None
                 if message is None:
                     procs[rank].join(1.0)
-                    _print_outputs(outputs)
                     raise RankError(rank, "ProcessExit", f"the process exited with code {procs[rank].exitcode} "
                                     "before returning a result", "(no Python traceback: the process died)")
                 if message[0] == "error":
-                    _, rank, exc_type, text, tb, output = message
-                    outputs[rank] = output
-                    _print_outputs(outputs)
+                    _, exc_type, text, tb = message
                     raise RankError(rank, exc_type, text, tb)
-                result = message[1]
-                results[rank] = result.value
-                outputs[rank] = result.output
+                results[rank] = message[1]
                 pending.discard(rank)
         for conn in conns:  # every rank is done: let them tear down the process group
             with contextlib.suppress(OSError):
                 conn.send_bytes(b"done")
+        shutdown = time.monotonic() + 5.0  # one shared deadline, whatever the number of ranks
         for proc in procs:
-            proc.join(10.0)
+            proc.join(max(0.0, shutdown - time.monotonic()))
     finally:
         for proc in procs:
             _kill_rank(proc)
@@ -292,7 +296,7 @@ def run_distributed(
             proc.join(5.0)
         for conn in conns:
             conn.close()
+        if show_output:
+            _print_outputs(files)  # also when a rank failed or hung: its prints help most then
         tmpdir.cleanup()
-    if show_output:
-        _print_outputs(outputs)
     return results

@@ -18,6 +18,18 @@ from ._checks import check_bool, check_int, check_rank
 
 __all__ = ["ShardSampler", "shard_indices", "num_samples_per_rank"]
 
+MAX_SEED = 2**64 - 1  # the largest value torch.Generator.manual_seed accepts
+
+
+def check_seed_and_epoch(seed, epoch) -> tuple[int, int]:
+    """Both non-negative integers whose sum is a valid generator seed."""
+    seed = check_int("seed", seed, minimum=0, maximum=MAX_SEED)
+    epoch = check_int("epoch", epoch, minimum=0, maximum=MAX_SEED)
+    if seed + epoch > MAX_SEED:
+        raise ValueError(f"seed + epoch = {seed + epoch} is out of range; the generator is seeded with "
+                         f"seed + epoch, which must be <= 2**64 - 1")
+    return seed, epoch
+
 
 def num_samples_per_rank(dataset_len: int, num_replicas: int, drop_last: bool) -> int:
     """How many indices each rank gets: ``ceil(n / R)`` with padding, ``floor(n / R)`` without."""
@@ -48,8 +60,7 @@ def shard_indices(
     rank = check_rank(rank, num_replicas)
     shuffle = check_bool("shuffle", shuffle)
     drop_last = check_bool("drop_last", drop_last)
-    seed = check_int("seed", seed, minimum=0)
-    epoch = check_int("epoch", epoch, minimum=0)
+    seed, epoch = check_seed_and_epoch(seed, epoch)
 
     per_rank = num_samples_per_rank(n, num_replicas, drop_last)
     # Positions of this rank in the padded (or truncated) global order.
@@ -82,6 +93,7 @@ class ShardSampler(Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
+        self.dataset = dataset
         try:
             self.dataset_len = len(dataset)
         except TypeError:
@@ -101,7 +113,7 @@ class ShardSampler(Sampler[int]):
         self.num_replicas = check_int("num_replicas", num_replicas, minimum=1)
         self.rank = check_rank(rank, self.num_replicas)
         self.shuffle = check_bool("shuffle", shuffle)
-        self.seed = check_int("seed", seed, minimum=0)
+        self.seed, _ = check_seed_and_epoch(seed, 0)
         self.drop_last = check_bool("drop_last", drop_last)
         self.epoch = 0
         self.num_samples = num_samples_per_rank(self.dataset_len, self.num_replicas, drop_last)
@@ -109,7 +121,7 @@ class ShardSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``__iter__`` use the order of ``epoch``; call it with the same value on every rank."""
-        self.epoch = check_int("epoch", epoch, minimum=0)
+        _, self.epoch = check_seed_and_epoch(self.seed, epoch)
 
     def indices(self) -> torch.Tensor:
         """This rank's indices for the current epoch, as an int64 tensor."""

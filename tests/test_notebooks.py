@@ -1,0 +1,32 @@
+"""The book's rules for chapters, checked on every notebook (their outputs are checked by nbval)."""
+
+import pathlib
+import re
+
+import nbformat
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def test_there_are_chapters():
+    assert len(NOTEBOOKS) >= 4
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_chapter_rules(path):
+    nb = nbformat.read(path, as_version=4)
+    markdown = [c.source for c in nb.cells if c.cell_type == "markdown"]
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert markdown[0].startswith("# ") and not markdown[0].startswith("# #"), "the first cell is the title"
+    assert not any(re.match(r"#\s+#", m) for m in markdown), "a heading with a stray '# '"
+    assert "you will learn" in markdown[0], "learning goals at the top"
+    assert any("## Summary" in m for m in markdown) and any("## Exercises" in m for m in markdown)
+    assert any("image/png" in o.get("data", {}) for c in code for o in c.outputs), "at least one picture"
+    assert sum(bool(c.outputs) for c in code) >= len(code) / 2, "committed with outputs"
+    assert not any(o.output_type == "error" for c in code for o in c.outputs), "no stored errors"
+    exempt = [c for c in code if "NBVAL_IGNORE_OUTPUT" in c.source or "NBVAL_SKIP" in c.source]
+    assert len(exempt) <= 0.15 * len(code), "at most 15% of code cells exempt from comparison"
+    assert all("assert" in c.source for c in exempt), "an exempt cell asserts its claim"
+    assert f"notebooks/{path.stem}" in (ROOT / "_toc.yml").read_text(), "listed in _toc.yml"
