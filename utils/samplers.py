@@ -3,20 +3,40 @@
 ``ShardSampler`` yields exactly the indices that ``torch.utils.data.DistributedSampler`` yields,
 for every combination of arguments, but builds them with tensor operations and converts only
 this rank's share to Python ints, so it is faster for large data sets.
+
+The samplers torch lacks follow the same pattern: one global decision that every rank computes
+identically from ``(seed, epoch)``, then a split that gives every rank the same number of items.
+
+- ``StratifiedShardSampler``: every rank gets each class in the same proportion;
+- ``WeightedShardSampler``: one weighted draw, shared by the ranks (``WeightedRandomSampler`` for DDP);
+- ``ShardedSampler``: distributes the output of any deterministic sampler;
+- ``ClassBalancedBatchSampler``: batches of equal counts of a few classes, disjoint across ranks.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
-from typing import Iterator, Sized
+from typing import Iterator, Sequence, Sized
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from ._checks import check_bool, check_int, check_rank
+from .seeding import derive_seed
 
-__all__ = ["ShardSampler", "shard_indices", "num_samples_per_rank"]
+__all__ = [
+    "ShardSampler",
+    "StratifiedShardSampler",
+    "WeightedShardSampler",
+    "ShardedSampler",
+    "ClassBalancedBatchSampler",
+    "shard_indices",
+    "stride_shard",
+    "num_samples_per_rank",
+]
 
 MAX_SEED = 2**64 - 1  # the largest value torch.Generator.manual_seed accepts
 
@@ -31,11 +51,33 @@ def check_seed_and_epoch(seed, epoch) -> tuple[int, int]:
     return seed, epoch
 
 
+def epoch_generator(seed: int, epoch: int) -> torch.Generator:
+    """The generator every rank builds for ``(seed, epoch)``, as ``DistributedSampler`` does."""
+    seed, epoch = check_seed_and_epoch(seed, epoch)
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return g
+
+
 def num_samples_per_rank(dataset_len: int, num_replicas: int, drop_last: bool) -> int:
     """How many indices each rank gets: ``ceil(n / R)`` with padding, ``floor(n / R)`` without."""
     if drop_last:
         return dataset_len // num_replicas
     return math.ceil(dataset_len / num_replicas)
+
+
+def stride_shard(order: torch.Tensor, num_replicas: int, rank: int, drop_last: bool = False) -> torch.Tensor:
+    """Rank ``rank``'s share of a global ``order``: positions ``rank, rank + R, ...`` after padding or cutting.
+
+    Padding repeats ``order`` from its start (padded position ``p`` holds ``order[p % n]``), so
+    only this rank's positions are ever computed.
+    """
+    n = len(order)
+    per_rank = num_samples_per_rank(n, num_replicas, drop_last)
+    positions = rank + num_replicas * torch.arange(per_rank, dtype=torch.int64)
+    if per_rank == 0:
+        return order[:0]
+    return order[positions % n] if per_rank * num_replicas > n else order[positions]
 
 
 def shard_indices(
@@ -61,22 +103,60 @@ def shard_indices(
     shuffle = check_bool("shuffle", shuffle)
     drop_last = check_bool("drop_last", drop_last)
     seed, epoch = check_seed_and_epoch(seed, epoch)
-
-    per_rank = num_samples_per_rank(n, num_replicas, drop_last)
-    # Positions of this rank in the padded (or truncated) global order.
-    positions = rank + num_replicas * torch.arange(per_rank, dtype=torch.int64)
-    if per_rank == 0:
-        return positions
-    if not shuffle:
-        return positions % n
-    g = torch.Generator()
-    g.manual_seed(seed + epoch)
-    order = torch.randperm(n, generator=g)
-    # Padding repeats the order from its start, so padded position p holds order[p % n].
-    return order[positions % n] if per_rank * num_replicas > n else order[positions]
+    if shuffle and n:
+        order = torch.randperm(n, generator=epoch_generator(seed, epoch))
+    else:
+        order = torch.arange(n, dtype=torch.int64)
+    return stride_shard(order, num_replicas, rank, drop_last)
 
 
-class ShardSampler(Sampler[int]):
+def resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    """``(num_replicas, rank)``, defaulting to the initialised process group's, checked."""
+    if num_replicas is None or rank is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "num_replicas and rank default to the process group's world size and rank, "
+                "but no process group is initialised: call "
+                "torch.distributed.init_process_group() first or pass both explicitly"
+            )
+        num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
+        rank = dist.get_rank() if rank is None else rank
+    num_replicas = check_int("num_replicas", num_replicas, minimum=1)
+    return num_replicas, check_rank(rank, num_replicas)
+
+
+def check_labels(labels) -> np.ndarray:
+    """Labels as a 1-D int64 array; they are read as a sequence, never by loading samples."""
+    if isinstance(labels, torch.Tensor):
+        labels = labels.detach().cpu().numpy()
+    try:
+        array = np.asarray(labels)
+    except Exception as exc:
+        raise TypeError(f"labels must be a sequence of integers: {exc}") from None
+    if array.ndim != 1:
+        raise ValueError(f"labels must be one-dimensional, got shape {array.shape}")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"labels must be integers, got dtype {array.dtype}")
+    return array.astype(np.int64, copy=False)
+
+
+class _EpochSampler(Sampler):
+    """What every sampler here shares: ranks resolved and checked, a seed, and ``set_epoch``."""
+
+    def __init__(self, num_replicas: int | None, rank: int | None, seed: int) -> None:
+        self.num_replicas, self.rank = resolve_world(num_replicas, rank)
+        self.seed, _ = check_seed_and_epoch(seed, 0)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``__iter__`` use the order of ``epoch``; call it with the same value on every rank."""
+        _, self.epoch = check_seed_and_epoch(self.seed, epoch)
+
+    def generator(self) -> torch.Generator:
+        return epoch_generator(self.seed, self.epoch)
+
+
+class ShardSampler(_EpochSampler):
     """Drop-in, from-scratch equivalent of ``torch.utils.data.DistributedSampler``.
 
     Same arguments, same indices, same ``set_epoch``; arguments are checked up front.
@@ -101,27 +181,11 @@ class ShardSampler(Sampler[int]):
                 f"dataset must have a length (a map-style data set or any Sized object), "
                 f"got {type(dataset).__name__} without __len__"
             ) from None
-        if num_replicas is None or rank is None:
-            if not (dist.is_available() and dist.is_initialized()):
-                raise RuntimeError(
-                    "num_replicas and rank default to the process group's world size and rank, "
-                    "but no process group is initialised: call "
-                    "torch.distributed.init_process_group() first or pass both explicitly"
-                )
-            num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
-            rank = dist.get_rank() if rank is None else rank
-        self.num_replicas = check_int("num_replicas", num_replicas, minimum=1)
-        self.rank = check_rank(rank, self.num_replicas)
+        super().__init__(num_replicas, rank, seed)
         self.shuffle = check_bool("shuffle", shuffle)
-        self.seed, _ = check_seed_and_epoch(seed, 0)
         self.drop_last = check_bool("drop_last", drop_last)
-        self.epoch = 0
         self.num_samples = num_samples_per_rank(self.dataset_len, self.num_replicas, drop_last)
         self.total_size = self.num_samples * self.num_replicas
-
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next ``__iter__`` use the order of ``epoch``; call it with the same value on every rank."""
-        _, self.epoch = check_seed_and_epoch(self.seed, epoch)
 
     def indices(self) -> torch.Tensor:
         """This rank's indices for the current epoch, as an int64 tensor."""
@@ -147,3 +211,231 @@ class ShardSampler(Sampler[int]):
             f"rank={self.rank}, shuffle={self.shuffle}, seed={self.seed}, "
             f"drop_last={self.drop_last}, epoch={self.epoch})"
         )
+
+
+class StratifiedShardSampler(_EpochSampler):
+    """Every rank gets each class in the same proportion (per-class counts within one), every epoch reshuffled.
+
+    Each class is shuffled with the ``(seed, epoch)`` generator; the classes are laid end to end
+    and dealt round robin, so each rank gets ``floor`` or ``ceil`` of ``n_c / R`` of class ``c``.
+    Ranks that come out one short get one repeated sample of a class they are short of (at most
+    ``R - 1`` repeats per epoch, listed by :meth:`padding`), or with ``drop_last`` the longer ranks
+    give one back (listed by :meth:`dropped`). Each rank's share is then shuffled on its own.
+    """
+
+    def __init__(self, labels: Sequence[int], num_replicas: int | None = None, rank: int | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        self.labels = check_labels(labels)
+        super().__init__(num_replicas, rank, seed)
+        self.shuffle = check_bool("shuffle", shuffle)
+        self.drop_last = check_bool("drop_last", drop_last)
+        self.num_samples = num_samples_per_rank(len(self.labels), self.num_replicas, self.drop_last)
+        self.classes = np.unique(self.labels)
+
+    def _plan(self) -> tuple[list[np.ndarray], list[list[int]], list[list[int]]]:
+        """Every rank's share (the same computation on every rank), its padding and its dropped indices."""
+        g = self.generator()
+        blocks = []
+        for c in self.classes:
+            members = np.flatnonzero(self.labels == c)
+            if self.shuffle:
+                members = members[torch.randperm(len(members), generator=g).numpy()]
+            blocks.append(members)
+        order = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.int64)
+        block_of = np.repeat(np.arange(len(blocks)), [len(b) for b in blocks])
+        R = self.num_replicas
+        shares = [list(order[r::R]) for r in range(R)]
+        share_blocks = [list(block_of[r::R]) for r in range(R)]
+        counts = np.array([np.bincount(share_blocks[r], minlength=len(blocks)) for r in range(R)]).reshape(R, -1)
+        padding: list[list[int]] = [[] for _ in range(R)]
+        dropped: list[list[int]] = [[] for _ in range(R)]
+        for r in range(R):
+            # A rank is one short (pad) or one long (drop): change a class where that keeps the
+            # per-class counts within one of the other ranks, chosen with the shared generator.
+            if not self.drop_last and len(shares[r]) < self.num_samples:
+                short = np.flatnonzero(counts[r] < counts.max(axis=0))
+                c = int(short[int(torch.randint(len(short), (1,), generator=g))])
+                padding[r].append(int(blocks[c][0]))
+                shares[r].append(int(blocks[c][0]))
+                counts[r, c] += 1
+            elif self.drop_last and len(shares[r]) > self.num_samples:
+                long = np.flatnonzero(counts[r] > counts.min(axis=0))
+                c = int(long[int(torch.randint(len(long), (1,), generator=g))])
+                position = len(share_blocks[r]) - 1 - share_blocks[r][::-1].index(c)
+                dropped[r].append(int(shares[r].pop(position)))
+                share_blocks[r].pop(position)
+                counts[r, c] -= 1
+        return [np.asarray(s, dtype=np.int64) for s in shares], padding, dropped
+
+    def _rank_share(self) -> tuple[np.ndarray, list[int], list[int]]:
+        shares, padding, dropped = self._plan()
+        share = shares[self.rank]
+        if self.shuffle and len(share):
+            local = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, self.rank))
+            share = share[torch.randperm(len(share), generator=local).numpy()]
+        return share, padding[self.rank], dropped[self.rank]
+
+    def padding(self) -> list[int]:
+        """The repeated indices this rank gets in the current epoch (empty with ``drop_last``)."""
+        return self._rank_share()[1]
+
+    def dropped(self) -> list[int]:
+        """The indices this rank gave up in the current epoch (only with ``drop_last``)."""
+        return self._rank_share()[2]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._rank_share()[0].tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class WeightedShardSampler(_EpochSampler):
+    """``WeightedRandomSampler`` for several ranks: one weighted draw every rank agrees on, then sharded.
+
+    Each epoch draws ``ceil(num_samples / R) * R`` indices with ``torch.multinomial`` from the
+    ``(seed, epoch)`` generator, identically on every rank, and rank ``r`` keeps draws
+    ``r, r + R, ...``. The union over ranks is therefore one correct weighted sample.
+    """
+
+    def __init__(self, weights: Sequence[float], num_samples: int, replacement: bool = True,
+                 num_replicas: int | None = None, rank: int | None = None, seed: int = 0) -> None:
+        w = torch.as_tensor(weights, dtype=torch.double)
+        if w.dim() != 1 or len(w) == 0:
+            raise ValueError(f"weights must be a non-empty 1-D sequence, got shape {tuple(w.shape)}")
+        if not torch.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+            raise ValueError("weights must be finite and non-negative, with a positive sum")
+        self.weights = w
+        self.num_samples_total = check_int("num_samples", num_samples, minimum=1)
+        self.replacement = check_bool("replacement", replacement)
+        super().__init__(num_replicas, rank, seed)
+        self.num_samples = math.ceil(self.num_samples_total / self.num_replicas)
+        draws = self.num_samples * self.num_replicas
+        nonzero = int((w > 0).sum())
+        if not replacement and draws > nonzero:
+            raise ValueError(
+                f"without replacement the ranks draw {draws} indices in all (num_samples rounded up to a "
+                f"multiple of num_replicas={self.num_replicas}), but only {nonzero} weights are positive"
+            )
+
+    def global_draw(self) -> torch.Tensor:
+        """The draw of every rank together, in order (the same tensor on every rank)."""
+        draws = self.num_samples * self.num_replicas
+        return torch.multinomial(self.weights, draws, self.replacement, generator=self.generator())
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.global_draw()[self.rank::self.num_replicas].tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class ShardedSampler(_EpochSampler):
+    """Distribute any deterministic sampler: every rank iterates it, pads it like ``DistributedSampler`` and strides.
+
+    The wrapped sampler must yield the same sequence on every rank (a seeded generator, or no
+    randomness); an unseeded ``RandomSampler`` makes ranks overlap. ``set_epoch`` is passed on
+    to the wrapped sampler when it has one.
+    """
+
+    def __init__(self, sampler, num_replicas: int | None = None, rank: int | None = None,
+                 drop_last: bool = False) -> None:
+        if not hasattr(sampler, "__iter__"):
+            raise TypeError(f"sampler must be iterable, got {type(sampler).__name__}")
+        try:
+            self.inner_len = len(sampler)
+        except TypeError:
+            raise TypeError("sampler must have a length, so every rank knows its share before iterating") from None
+        super().__init__(num_replicas, rank, 0)
+        self.sampler = sampler
+        self.drop_last = check_bool("drop_last", drop_last)
+        self.num_samples = num_samples_per_rank(self.inner_len, self.num_replicas, self.drop_last)
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        if callable(getattr(self.sampler, "set_epoch", None)):
+            self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        order = torch.as_tensor(list(self.sampler), dtype=torch.int64)
+        if len(order) != self.inner_len:
+            raise RuntimeError(f"the wrapped sampler yielded {len(order)} indices but its len() is {self.inner_len}")
+        return iter(stride_shard(order, self.num_replicas, self.rank, self.drop_last).tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class ClassBalancedBatchSampler(_EpochSampler):
+    """Batches of ``classes_per_batch`` classes x ``samples_per_class`` samples each, disjoint across ranks.
+
+    Each epoch, every class is shuffled and cut into chunks of ``samples_per_class`` (a class's
+    remainder waits for a later epoch, when the shuffle puts other samples last). Batches are formed
+    from chunks of distinct classes, always taking the classes with the most chunks left (ties
+    broken by the shared generator), which forms as many batches as possible. The batches are
+    shuffled and dealt round robin; every rank gets ``len(self)`` batches.
+    """
+
+    def __init__(self, labels: Sequence[int], classes_per_batch: int, samples_per_class: int,
+                 num_replicas: int | None = None, rank: int | None = None, seed: int = 0) -> None:
+        self.labels = check_labels(labels)
+        self.classes_per_batch = check_int("classes_per_batch", classes_per_batch, minimum=1)
+        self.samples_per_class = check_int("samples_per_class", samples_per_class, minimum=1)
+        super().__init__(num_replicas, rank, seed)
+        self.classes, counts = np.unique(self.labels, return_counts=True)
+        self.chunks_per_class = counts // self.samples_per_class
+        usable = int((self.chunks_per_class > 0).sum())
+        if usable < self.classes_per_batch:
+            raise ValueError(
+                f"classes_per_batch={self.classes_per_batch} needs that many classes with at least "
+                f"samples_per_class={self.samples_per_class} samples, but only {usable} have them"
+            )
+        self.num_batches_total = self._count_batches(self.chunks_per_class)
+        self.num_batches = self.num_batches_total // self.num_replicas
+        if self.num_batches == 0:
+            raise ValueError(
+                f"only {self.num_batches_total} batches can be formed, fewer than num_replicas="
+                f"{self.num_replicas}: use fewer classes or samples per batch"
+            )
+
+    def _count_batches(self, chunks: np.ndarray) -> int:
+        heap = [-int(c) for c in chunks if c > 0]
+        heapq.heapify(heap)
+        k, batches = self.classes_per_batch, 0
+        while len(heap) >= k:
+            taken = [heapq.heappop(heap) for _ in range(k)]
+            batches += 1
+            for t in taken:
+                if t + 1 < 0:
+                    heapq.heappush(heap, t + 1)
+        return batches
+
+    def all_batches(self) -> list[list[int]]:
+        """Every batch of the epoch, before dealing (the same list on every rank)."""
+        g = self.generator()
+        chunks: list[list[list[int]]] = []
+        for c in self.classes:
+            members = np.flatnonzero(self.labels == c)
+            members = members[torch.randperm(len(members), generator=g).numpy()]
+            n_chunks = len(members) // self.samples_per_class
+            chunks.append([members[i * self.samples_per_class:(i + 1) * self.samples_per_class].tolist()
+                           for i in range(n_chunks)])
+        tiebreak = torch.rand(len(chunks), generator=g).tolist()
+        heap = [(-len(ch), tiebreak[c], c) for c, ch in enumerate(chunks) if ch]
+        heapq.heapify(heap)
+        batches = []
+        while len(heap) >= self.classes_per_batch:
+            taken = [heapq.heappop(heap) for _ in range(self.classes_per_batch)]
+            batches.append([i for _, _, c in taken for i in chunks[c].pop()])
+            for left, tie, c in taken:
+                if left + 1 < 0:
+                    heapq.heappush(heap, (left + 1, tie, c))
+        order = torch.randperm(len(batches), generator=g).tolist()
+        return [batches[i] for i in order]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = self.all_batches()
+        return iter(batches[self.rank:self.num_batches * self.num_replicas:self.num_replicas])
+
+    def __len__(self) -> int:
+        return self.num_batches
