@@ -249,14 +249,17 @@ class StratifiedShardSampler(_EpochSampler):
         counts = np.array([np.bincount(share_blocks[r], minlength=len(blocks)) for r in range(R)]).reshape(R, -1)
         padding: list[list[int]] = [[] for _ in range(R)]
         dropped: list[list[int]] = [[] for _ in range(R)]
+        next_repeat = [0] * len(blocks)  # padding repeats each class from its start, like DistributedSampler
         for r in range(R):
             # A rank is one short (pad) or one long (drop): change a class where that keeps the
             # per-class counts within one of the other ranks, chosen with the shared generator.
             if not self.drop_last and len(shares[r]) < self.num_samples:
                 short = np.flatnonzero(counts[r] < counts.max(axis=0))
                 c = int(short[int(torch.randint(len(short), (1,), generator=g))])
-                padding[r].append(int(blocks[c][0]))
-                shares[r].append(int(blocks[c][0]))
+                repeat = int(blocks[c][next_repeat[c] % len(blocks[c])])
+                next_repeat[c] += 1
+                padding[r].append(repeat)
+                shares[r].append(repeat)
                 counts[r, c] += 1
             elif self.drop_last and len(shares[r]) > self.num_samples:
                 long = np.flatnonzero(counts[r] > counts.min(axis=0))
