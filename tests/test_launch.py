@@ -81,7 +81,7 @@ def test_a_rank_that_raises_is_named_promptly_and_nothing_survives(tmp_path):
     assert "_raise_on_rank_1_while_others_hang" in err.remote_traceback
     time.sleep(0.5)
     pids = [int(p) for f in tmp_path.iterdir() for p in f.read_text().split()]
-    assert len(pids) >= 4  # rank 1 and its grandchild at least
+    assert len(pids) >= 2  # rank 1 and its grandchild at least (the others may be killed before they write)
     assert _gone(pids), "a rank or a rank's child outlived run_distributed"
 
 
