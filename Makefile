@@ -26,9 +26,10 @@ test-utils: $(STAMP)
 test-notebooks: $(STAMP)
 	$(BIN)/python -m pytest --nbval --nbval-current-env --nbval-sanitize-with sanitize.cfg notebooks -q -p no:cacheprovider
 
-## make bench: ShardSampler against DistributedSampler at n = 10^7, 8 replicas (not a timed test)
+## make bench: the benchmarks the chapters show from book/results (not timed tests)
 bench: $(STAMP)
 	$(BIN)/python -m utils.bench sampler --out book/results/sampler_bench_cpu.json
+	$(BIN)/python -m utils.bench ddp --out book/results/ddp_step_cpu.json
 
 clean:
 	rm -rf _build

@@ -20,7 +20,7 @@ from torch.utils.data import DistributedSampler
 
 from .samplers import ShardSampler
 
-__all__ = ["bench_sampler", "environment"]
+__all__ = ["bench_sampler", "bench_ddp", "environment"]
 
 
 def environment() -> dict:
@@ -72,9 +72,67 @@ def bench_sampler(n: int = 10**7, num_replicas: int = 8, repeats: int = 5, seed:
     }
 
 
+def _ddp_step_times(layers: int, width: int, batch: int, steps: int, rounds: int) -> dict:
+    """Runs on every rank: median step time of each wrapper, measured in alternating rounds."""
+    import statistics
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from .ddp import BucketedDDP, NaiveDDP
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
+
+    wrappers = {"NaiveDDP": NaiveDDP(model()), "BucketedDDP": BucketedDDP(model()), "torch DDP": DDP(model())}
+    optimizers = {k: torch.optim.SGD(w.parameters(), lr=1e-3) for k, w in wrappers.items()}
+    x = torch.randn(batch, width)
+    times = {k: [] for k in wrappers}
+
+    def step(name):
+        optimizers[name].zero_grad()
+        wrappers[name](x).square().mean().backward()
+        optimizers[name].step()
+
+    for name in wrappers:  # warm-up
+        for _ in range(3):
+            step(name)
+    for _ in range(rounds):
+        for name in wrappers:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                step(name)
+            times[name].append((time.perf_counter() - start) / steps)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench_ddp(layers: int = 100, width: int = 64, batch: int = 32, steps: int = 20, rounds: int = 5,
+              world_size: int = 2) -> dict:
+    """Step time of NaiveDDP, BucketedDDP and torch DDP on ``world_size`` CPU ranks, in one run."""
+    from .launch import run_distributed
+
+    per_rank = run_distributed(_ddp_step_times, world_size, layers, width, batch, steps, rounds, timeout=600)
+    # a step ends when the slowest rank is done: take the slower rank's median
+    seconds = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+    return {
+        "benchmark": "median seconds per training step (forward, backward with gradient sync, SGD step)",
+        "model": f"{layers} x (Linear({width}, {width}) + Tanh): {2 * layers} parameter tensors",
+        "batch_per_rank": batch,
+        "world_size": world_size,
+        "backend": "gloo",
+        "steps_per_round": steps,
+        "rounds": rounds,
+        "seconds_per_step": {k: round(v, 6) for k, v in seconds.items()},
+        "ratio_to_torch_ddp": {k: round(v / seconds["torch DDP"], 3) for k, v in seconds.items()},
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m utils.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["sampler"], help="which benchmark to run")
+    parser.add_argument("what", choices=["sampler", "ddp"], help="which benchmark to run")
     parser.add_argument("--n", type=int, default=10**7, help="data set size (default 10^7)")
     parser.add_argument("--num-replicas", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
@@ -82,13 +140,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.n < 1 or args.num_replicas < 1 or args.repeats < 1:
         parser.error("--n, --num-replicas and --repeats must be at least 1")
-    result = bench_sampler(args.n, args.num_replicas, args.repeats)
+    if args.what == "sampler":
+        result = bench_sampler(args.n, args.num_replicas, args.repeats)
+        for name, t in result["best_seconds"].items():
+            print(f"{name:>20}: {t:.3f} s")
+        print(f"ratio DistributedSampler / ShardSampler = {result['speedup_ours_vs_torch']:.2f} "
+              "(>= 1.0 means ours is no slower)")
+    else:
+        result = bench_ddp()
+        for name, t in result["seconds_per_step"].items():
+            print(f"{name:>12}: {1000 * t:.2f} ms per step, {result['ratio_to_torch_ddp'][name]:.2f}x torch DDP")
     result["environment"] = environment()
     result["command"] = "python -m utils.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     result["date"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    for name, t in result["best_seconds"].items():
-        print(f"{name:>20}: {t:.3f} s")
-    print(f"ratio DistributedSampler / ShardSampler = {result['speedup_ours_vs_torch']:.2f} (>= 1.0 means ours is no slower)")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         tmp = args.out + ".tmp"

@@ -75,21 +75,34 @@ class NaiveDDP(nn.Module):
 class _Bucket:
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
-        self.offsets = []
-        offset = 0
-        for p in params:
-            self.offsets.append(offset)
-            offset += p.numel()
-        # gradients first, then one "this rank produced a gradient" flag per parameter
-        self.buffer = torch.zeros(offset + len(params), dtype=params[0].dtype)
-        self.numel = offset
+        self.sizes = [p.numel() for p in params]
+        self.numel = sum(self.sizes)
+        self.buffer = None  # gradients, then one "this rank produced a gradient" flag per parameter
         self.ready = 0
         self.work = None
 
-    def reset(self) -> None:
-        self.buffer.zero_()
-        self.ready = 0
-        self.work = None
+    def pack(self) -> None:
+        """Flatten the gradients into one buffer with a single concatenation (missing ones as zeros)."""
+        flags = torch.tensor([p.grad is not None for p in self.params], dtype=self.params[0].dtype)
+        grads = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in self.params]
+        self.buffer = torch.cat(grads + [flags])
+
+    def unpack(self, world_size: int) -> None:
+        """Write the averaged gradients back (in place where a gradient exists)."""
+        grads = self.buffer[:self.numel].div_(world_size).split(self.sizes)
+        produced = self.buffer[self.numel:].tolist()
+        have, new = [], []
+        for p, g, flag in zip(self.params, grads, produced):
+            if flag == 0:  # no rank produced this gradient: leave it as it is
+                continue
+            if p.grad is None:
+                p.grad = g.view_as(p).clone()
+            else:
+                have.append(p.grad)
+                new.append(g.view_as(p))
+        if have:
+            torch._foreach_copy_(have, new)
+        self.buffer, self.ready, self.work = None, 0, None
 
 
 class BucketedDDP(nn.Module):
@@ -122,10 +135,11 @@ class BucketedDDP(nn.Module):
                 current, size = [], 0
         if current:
             self.buckets.append(_Bucket(current))
-        self._where = {}
+        self._next_bucket = 0
+        self._bucket_of = {}
         for b, bucket in enumerate(self.buckets):
-            for i, p in enumerate(bucket.params):
-                self._where[p] = (b, i)
+            for p in bucket.params:
+                self._bucket_of[p] = b
                 p.register_post_accumulate_grad_hook(self._grad_ready)
 
     @contextlib.contextmanager
@@ -138,49 +152,38 @@ class BucketedDDP(nn.Module):
             self.require_sync = previous
 
     def _launch(self, bucket: _Bucket) -> None:
+        bucket.pack()
         bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
         self.counter.all_reduces += 1
 
     def _grad_ready(self, param: nn.Parameter) -> None:
+        # Kept small: it runs once per parameter tensor in every backward pass.
         if not self.require_sync:
             return
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        b, i = self._where[param]
+        b = self._bucket_of[param]
         bucket = self.buckets[b]
-        start = bucket.offsets[i]
-        bucket.buffer[start:start + param.numel()].copy_(param.grad.reshape(-1))
-        bucket.buffer[bucket.numel + i] = 1.0
         bucket.ready += 1
-        # Buckets are launched in bucket order on every rank (collectives must match across ranks).
-        if bucket.ready == len(bucket.params) and all(x.work is not None for x in self.buckets[:b]):
-            self._launch(bucket)
-            for later in self.buckets[b + 1:]:
-                if later.work is None and later.ready == len(later.params):
-                    self._launch(later)
-                elif later.work is None:
+        # Buckets start in bucket order on every rank (collectives must match across ranks).
+        if bucket.ready == len(bucket.params) and b == self._next_bucket:
+            while self._next_bucket < len(self.buckets):
+                nxt = self.buckets[self._next_bucket]
+                if nxt.ready != len(nxt.params):
                     break
+                self._launch(nxt)
+                self._next_bucket += 1
 
     def _finish(self) -> None:
         """End of backward: launch what is left (unused parameters send zeros), wait, write gradients back."""
         self._callback_queued = False
-        for bucket in self.buckets:
-            if bucket.work is None:
-                self._launch(bucket)
+        for bucket in self.buckets[self._next_bucket:]:
+            self._launch(bucket)
+        self._next_bucket = 0
         for bucket in self.buckets:
             bucket.work.wait()
-            produced = bucket.buffer[bucket.numel:]
-            for i, p in enumerate(bucket.params):
-                if produced[i] == 0:  # no rank produced this gradient: leave it as it is
-                    continue
-                start = bucket.offsets[i]
-                averaged = bucket.buffer[start:start + p.numel()].view_as(p) / self.world_size
-                if p.grad is None:
-                    p.grad = averaged.clone()
-                else:
-                    p.grad.copy_(averaged)
-            bucket.reset()
+            bucket.unpack(self.world_size)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
