@@ -2,7 +2,8 @@
 
 - ``NaiveDDP``: the design of the source article. Broadcast parameters and buffers from rank 0,
   then all-reduce every gradient as soon as autograd has accumulated it (one collective per
-  parameter tensor). Works on ``gloo``, which has no ``ReduceOp.AVG``: sum, then divide.
+  parameter tensor). It sums and then divides by the world size, which works on every backend
+  and torch version (``ReduceOp.AVG`` is missing from ``gloo`` in older releases).
 - ``BucketedDDP``: gradients grouped into buckets of about ``bucket_cap_mb`` in reverse registration
   order (roughly the order backward produces them); a bucket's all-reduce starts asynchronously as
   soon as its last gradient is ready, so communication overlaps the rest of the backward pass, and
@@ -64,7 +65,7 @@ class NaiveDDP(nn.Module):
                 param.register_post_accumulate_grad_hook(self._average)
 
     def _average(self, param: torch.Tensor) -> None:
-        dist.all_reduce(param.grad)  # gloo has no ReduceOp.AVG
+        dist.all_reduce(param.grad)  # SUM then divide: ReduceOp.AVG is missing from older gloo builds
         param.grad.div_(self.world_size)
         self.counter.all_reduces += 1
 
