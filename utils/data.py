@@ -16,7 +16,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from ._checks import check_int, check_rank
 
-__all__ = ["Simple", "ShardedIterable", "global_worker"]
+__all__ = ["Simple", "ShardedIterable", "global_worker", "write_synthetic_cifar10", "is_synthetic_cifar10", "load_cifar10"]
 
 
 class Simple(Dataset):
@@ -118,3 +118,95 @@ class ShardedIterable(IterableDataset):
         info = get_worker_info()
         worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 0)
         return self.shard(rank, world_size, worker_id, num_workers)
+
+
+# --- CIFAR-10, real or generated in CIFAR-10's own on-disk format ---------------------------------
+
+CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+SYNTHETIC_MARKER = "SYNTHETIC_DATA.json"
+
+
+def write_synthetic_cifar10(root: str, n_train: int = 5000, n_test: int = 1000, seed: int = 0) -> str:
+    """Write a small, learnable, clearly synthetic data set in CIFAR-10's format under ``root/cifar-10-batches-py``.
+
+    Each class is a coloured blob at a class-specific position on a noisy background, shifted at
+    random: easy enough for a small CNN to learn in a few CPU epochs, hard enough that it is not
+    solved by one pixel. Files: ``data_batch_1..5``, ``test_batch`` and ``batches.meta``, pickled as
+    the real ones, plus ``SYNTHETIC_DATA.json`` (how it was made, and the files' MD5s, which
+    ``load_cifar10`` checks exactly as torchvision checks the real ones).
+    """
+    import hashlib
+    import json
+    import os
+    import pickle
+
+    n_train = check_int("n_train", n_train, minimum=5)
+    n_test = check_int("n_test", n_test, minimum=1)
+    seed = check_int("seed", seed, minimum=0)
+    folder = os.path.join(root, "cifar-10-batches-py")
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    palette = rng.integers(40, 216, size=(10, 3))
+    centres = [(8 + 16 * (c % 2), 5 + 5.5 * (c // 2)) for c in range(10)]  # two columns, five rows
+    yy, xx = np.mgrid[0:32, 0:32]
+
+    def images(n):
+        labels = rng.integers(0, 10, size=n)
+        data = rng.normal(128, 40, size=(n, 32, 32, 3))
+        for i, c in enumerate(labels):
+            cy, cx = centres[c][1] + rng.normal(0, 1.5), centres[c][0] + rng.normal(0, 1.5)
+            blob = np.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / (2 * 3.0**2))[..., None]
+            data[i] = data[i] * (1 - blob) + palette[c] * blob
+        data = np.clip(data, 0, 255).astype(np.uint8)
+        return data.transpose(0, 3, 1, 2).reshape(n, 3072), labels.tolist()
+
+    def dump(name, obj):
+        with open(os.path.join(folder, name), "wb") as f:
+            pickle.dump(obj, f, protocol=2)
+
+    train_data, train_labels = images(n_train)
+    for b, part in enumerate(np.array_split(np.arange(n_train), 5), start=1):
+        dump(f"data_batch_{b}", {"batch_label": f"synthetic training batch {b} of 5",
+                                  "data": train_data[part], "labels": [train_labels[i] for i in part],
+                                  "filenames": [f"synthetic_{i}.png" for i in part]})
+    test_data, test_labels = images(n_test)
+    dump("test_batch", {"batch_label": "synthetic testing batch 1 of 1", "data": test_data, "labels": test_labels,
+                        "filenames": [f"synthetic_test_{i}.png" for i in range(n_test)]})
+    dump("batches.meta", {"label_names": CIFAR_CLASSES, "num_cases_per_batch": n_train // 5, "num_vis": 3072})
+    md5 = {}
+    for name in sorted(os.listdir(folder)):
+        if name != SYNTHETIC_MARKER:
+            with open(os.path.join(folder, name), "rb") as f:
+                md5[name] = hashlib.md5(f.read()).hexdigest()
+    with open(os.path.join(folder, SYNTHETIC_MARKER), "w") as f:
+        json.dump({"synthetic": True, "generator": "utils.data.write_synthetic_cifar10", "n_train": n_train,
+                   "n_test": n_test, "seed": seed, "md5": md5}, f, indent=2)
+    return folder
+
+
+def is_synthetic_cifar10(root: str) -> bool:
+    """Whether ``root`` holds the generated stand-in rather than the real CIFAR-10."""
+    import os
+
+    return os.path.exists(os.path.join(root, "cifar-10-batches-py", SYNTHETIC_MARKER))
+
+
+def load_cifar10(root: str, train: bool, transform=None, download: bool = False):
+    """``torchvision.datasets.CIFAR10`` for the real data; for the generated data the same class,
+    checking the MD5s recorded when the files were written instead of the real files' MD5s."""
+    import json
+    import os
+
+    from torchvision.datasets import CIFAR10
+
+    if download or not is_synthetic_cifar10(root):
+        return CIFAR10(root, train=train, transform=transform, download=download)
+    with open(os.path.join(root, "cifar-10-batches-py", SYNTHETIC_MARKER)) as f:
+        md5 = json.load(f)["md5"]
+
+    class SyntheticCIFAR10(CIFAR10):
+        train_list = [[f"data_batch_{b}", md5[f"data_batch_{b}"]] for b in range(1, 6)]
+        test_list = [["test_batch", md5["test_batch"]]]
+        meta = {"filename": "batches.meta", "key": "label_names", "md5": md5["batches.meta"]}
+
+    return SyntheticCIFAR10(root, train=train, transform=transform, download=False)
