@@ -289,7 +289,11 @@ def main(argv=None) -> None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         epoch, step_in_epoch, step = state["epoch"], state["step_in_epoch"], state["step"]
-        torch.set_rng_state(state["torch_rng"])
+        if "torch_rng" in state:
+            torch.set_rng_state(state["torch_rng"])
+            random.setstate(state["python_rng"])
+        if cuda and state.get("cuda_rng"):
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
         if master:
             print(f"resumed from {ckpt_path}: epoch {epoch}, step {step_in_epoch} of the epoch ({step} in all)", flush=True)
 
@@ -298,7 +302,8 @@ def main(argv=None) -> None:
             save_checkpoint(ckpt_path, {
                 "format": "utils.train_cifar10/1", "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "epoch": epoch, "step_in_epoch": step_in_epoch, "step": step,
-                "torch_rng": torch.get_rng_state(),
+                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if cuda else [],
                 "config": {"model": args.model, "global_batch": args.batch_size * world_size, "seed": args.seed}})
         if ddp:
             dist.barrier()  # nobody runs ahead of a checkpoint that may be needed to restart them
