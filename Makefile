@@ -30,6 +30,7 @@ test-notebooks: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m utils.bench sampler --out book/results/sampler_bench_cpu.json
 	$(BIN)/python -m utils.bench ddp --out book/results/ddp_step_cpu.json
+	$(BIN)/python -m utils.bench restart --repeats 10 --out book/results/torchrun_restart_cpu.json
 
 clean:
 	rm -rf _build

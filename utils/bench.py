@@ -20,7 +20,7 @@ from torch.utils.data import DistributedSampler
 
 from .samplers import ShardSampler
 
-__all__ = ["bench_sampler", "bench_ddp", "environment"]
+__all__ = ["bench_sampler", "bench_ddp", "bench_restart", "environment"]
 
 
 def environment() -> dict:
@@ -130,9 +130,52 @@ def bench_ddp(layers: int = 100, width: int = 64, batch: int = 32, steps: int = 
     }
 
 
+RESTART_DEMO = """
+import os, sys, datetime, torch.distributed as dist
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+timeout = datetime.timedelta(seconds=60 if sys.argv[1] == "prefix" else 10)
+if sys.argv[1] == "prefix":   # what utils.train_cifar10.init_process_group does
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]), False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt_{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+else:
+    dist.init_process_group("gloo", timeout=timeout)
+dist.barrier()
+if attempt == 0 and dist.get_rank() == 1:
+    os._exit(1)               # rank 1 dies; torchrun restarts both ranks
+dist.barrier()
+print(f"attempt {attempt}, rank {dist.get_rank()}: connected", flush=True)
+"""
+
+
+def bench_restart(runs: int = 5) -> dict:
+    """How often ranks restarted by ``torchrun --max-restarts=1`` reconnect, with the default
+    ``init_process_group`` and with a store prefix per attempt (the demo script is stored in the result)."""
+    import subprocess
+    import tempfile
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    counts = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "restart_demo.py")
+        with open(path, "w") as f:
+            f.write(RESTART_DEMO)
+        for mode in ("default", "prefix"):
+            connected = mesh_errors = 0
+            for _ in range(runs):
+                done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                       "--nproc_per_node=2", "--max-restarts=1", path, mode],
+                                      env=env, capture_output=True, text=True, timeout=300)
+                connected += "attempt 1, rank 0: connected" in done.stdout and "attempt 1, rank 1: connected" in done.stdout
+                mesh_errors += "connectFullMesh failed" in done.stdout + done.stderr
+            counts[mode] = {"runs": runs, "restarted_ranks_connected": connected, "gloo_connect_errors": mesh_errors}
+    return {"benchmark": "torchrun --standalone --nproc_per_node=2 --max-restarts=1, rank 1 dies after the first barrier",
+            "script": RESTART_DEMO.strip(), "results": counts}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m utils.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["sampler", "ddp"], help="which benchmark to run")
+    parser.add_argument("what", choices=["sampler", "ddp", "restart"], help="which benchmark to run")
     parser.add_argument("--n", type=int, default=10**7, help="data set size (default 10^7)")
     parser.add_argument("--num-replicas", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
@@ -146,6 +189,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name:>20}: {t:.3f} s")
         print(f"ratio DistributedSampler / ShardSampler = {result['speedup_ours_vs_torch']:.2f} "
               "(>= 1.0 means ours is no slower)")
+    elif args.what == "restart":
+        result = bench_restart(args.repeats)
+        for mode, c in result["results"].items():
+            print(f"{mode:>8}: restarted ranks connected in {c['restarted_ranks_connected']} of {c['runs']} runs, "
+                  f"gloo connect errors in {c['gloo_connect_errors']}")
     else:
         result = bench_ddp()
         for name, t in result["seconds_per_step"].items():
