@@ -1,7 +1,10 @@
-"""The CIFAR-10 script on CPU with gloo: DDP equals one process, restarts resume exactly, checkpoints
-are atomic, two nodes equal one, and bad input stops with a message."""
+"""The CIFAR-10 script on CPU with gloo (`--device cpu`, so the same on machines with GPUs): DDP equals
+one process; a killed rank is restarted and the run resumes exactly; two nodes with their own data and
+output folders equal one node; a run stopped on 2 processes resumes exactly on 1 and on 4; a changed
+schedule is refused with a message; checkpoints are atomic; bad input stops with a message."""
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -10,10 +13,12 @@ import pytest
 import torch
 
 from utils.data import write_synthetic_cifar10
-from utils.train_cifar10 import check_gpus, load_checkpoint, save_checkpoint
+from utils.train_cifar10 import check_gpus, load_checkpoint, per_process_batch, save_checkpoint
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-COMMON = ["--epochs", "2", "--workers", "1", "--no-progress", "--checkpoint-every", "4"]
+COMMON = ["--epochs", "2", "--workers", "1", "--no-progress", "--checkpoint-every", "4", "--device", "cpu",
+          "--global-batch", "64"]
+TIMEOUT = 300
 
 
 @pytest.fixture(scope="module")
@@ -23,15 +28,41 @@ def data(tmp_path_factory):
     return str(root)
 
 
-def torchrun(*args, nproc=2, extra=(), timeout=240):
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(*args, nproc=2, extra=(), timeout=TIMEOUT):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *extra,
            "-m", "utils.train_cifar10", *args]
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
-def single(*args, timeout=240):
+def single(*args, timeout=TIMEOUT):
     return subprocess.run([sys.executable, "-m", "utils.train_cifar10", *args], env=ENV, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def two_nodes(node_args, timeout=TIMEOUT):
+    """Two torchrun "nodes" on 127.0.0.1, one process each; node_args[i] are node i's script arguments.
+
+    Static rendezvous with --node-rank, so node 0 holds global rank 0 every time."""
+    port = free_port()
+    nodes = []
+    for node_rank, args in enumerate(node_args):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+               f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}",
+               "-m", "utils.train_cifar10", *args]
+        nodes.append(subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outputs = [n.communicate(timeout=timeout) for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][1][-2500:] + outputs[1][1][-2500:]
+    return outputs
 
 
 def final_params(out):
@@ -42,47 +73,95 @@ def max_diff(a, b):
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+def ok(done):
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 @pytest.fixture(scope="module")
 def two_ranks(data, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("two_ranks"))
-    done = torchrun("--data", data, "--batch-size", "32", "--out", out, *COMMON)
-    assert done.returncode == 0, done.stderr[-3000:]
+    ok(torchrun("--data", data, "--out", out, *COMMON))
+    return out
+
+
+@pytest.fixture(scope="module")
+def stopped_on_two(data, tmp_path_factory):
+    """A run on 2 processes that stopped at step 6 of 16 (mid-epoch), leaving its checkpoint."""
+    out = str(tmp_path_factory.mktemp("stopped"))
+    done = ok(torchrun("--data", data, "--out", out, "--stop-at-step", "6", *COMMON))
+    assert not os.path.exists(os.path.join(out, "model_final.pt"))
     return out
 
 
 def test_two_ranks_equal_one_process_on_the_same_global_batches(data, two_ranks, tmp_path):
-    done = single("--data", data, "--batch-size", "64", "--out", str(tmp_path), *COMMON)
-    assert done.returncode == 0, done.stderr[-3000:]
+    ok(single("--data", data, "--out", str(tmp_path), *COMMON))
     assert max_diff(final_params(two_ranks), final_params(str(tmp_path))) < 1e-5
     with open(os.path.join(two_ranks, "metrics.jsonl")) as f:
         assert len(f.readlines()) == 2  # one line per epoch, written by rank 0 alone
 
 
 def test_a_killed_rank_is_restarted_and_the_run_ends_exactly_as_an_uninterrupted_one(data, two_ranks, tmp_path):
-    done = torchrun("--data", data, "--batch-size", "32", "--out", str(tmp_path), "--resume",
-                    "--fail-at-step", "6", *COMMON, extra=["--max-restarts=1"])
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = ok(torchrun("--data", data, "--out", str(tmp_path), "--resume", "--fail-at-step", "6", *COMMON,
+                       extra=["--max-restarts=1"]))
     assert "resumed from" in done.stdout and "epoch 0, step 4 of the epoch" in done.stdout
     assert max_diff(final_params(two_ranks), final_params(str(tmp_path))) == 0.0
 
 
-def test_two_nodes_on_one_machine_equal_one_node_with_two_processes(data, two_ranks, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=book-test",
-           "-m", "utils.train_cifar10", "--data", data, "--batch-size", "32", "--out", str(tmp_path), *COMMON]
-    nodes = [subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outputs = [n.communicate(timeout=240) for n in nodes]
-    assert [n.returncode for n in nodes] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
-    assert max_diff(final_params(two_ranks), final_params(str(tmp_path))) < 1e-6
+@pytest.mark.parametrize("nproc", [1, 4])
+def test_a_run_stopped_on_two_processes_resumes_exactly_on_another_number(data, two_ranks, stopped_on_two,
+                                                                          tmp_path, nproc):
+    out = str(tmp_path / "out")
+    shutil.copytree(stopped_on_two, out)
+    run = single if nproc == 1 else (lambda *a: torchrun(*a, nproc=nproc))
+    done = ok(run("--data", data, "--out", out, "--resume", *COMMON))
+    assert "epoch 0, step 6 of the epoch" in done.stdout
+    assert f"global batch 64 = {64 // nproc} x {nproc}" in done.stdout
+    assert max_diff(final_params(two_ranks), final_params(out)) < 1e-5  # the same steps, summed in another order
+
+
+def test_two_nodes_with_their_own_disks_prepare_data_per_node_and_agree_on_resuming(two_ranks, tmp_path):
+    """Each node has an empty --data (node-local disk) and its own --out: only node 0's holds the
+    checkpoint. On main, node 1 found no data; and, resuming, node 1 started from scratch alone."""
+    folders = [{"data": str(tmp_path / f"node{i}" / "data"), "out": str(tmp_path / f"node{i}" / "out")} for i in (0, 1)]
+
+    def args(node, *extra):
+        return ["--data", folders[node]["data"], "--synthetic", "--synthetic-size", "512", "256",
+                "--out", folders[node]["out"], *COMMON, *extra]
+
+    two_nodes([args(0, "--stop-at-step", "6"), args(1, "--stop-at-step", "6")])
+    for node in (0, 1):  # each node wrote its own copy of the data
+        assert os.path.isdir(os.path.join(folders[node]["data"], "cifar-10-batches-py"))
+    assert os.path.exists(os.path.join(folders[0]["out"], "checkpoint.pt"))
+    assert not os.path.exists(os.path.join(folders[1]["out"], "checkpoint.pt"))  # rank 0 alone saves
+
+    (out0, _), _ = two_nodes([args(0, "--resume"), args(1, "--resume")])
+    assert "epoch 0, step 6 of the epoch" in out0
+    assert max_diff(final_params(two_ranks), final_params(folders[0]["out"])) < 1e-6
+
+
+@pytest.mark.parametrize("change, message", [
+    (["--epochs", "3"], "--epochs 3 (checkpoint: 2)"),
+    (["--lr", "0.1"], "--lr 0.1 (checkpoint: 0.05)"),
+    (["--seed", "1"], "--seed 1 (checkpoint: 0)"),
+    (["--model", "resnet18"], "--model resnet18 (checkpoint: simplecnn)"),
+    (["--global-batch", "32"], "--global-batch 32 (checkpoint: 64)"),
+])
+def test_resuming_with_another_schedule_is_refused_with_the_differences(data, stopped_on_two, tmp_path,
+                                                                       change, message):
+    out = str(tmp_path / "out")
+    shutil.copytree(stopped_on_two, out)
+    done = single("--data", data, "--out", out, "--resume", *COMMON, *change)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "cannot resume" in done.stderr and message in done.stderr
 
 
 def test_an_interrupted_checkpoint_write_leaves_the_previous_one_loadable(tmp_path, monkeypatch):
     path = str(tmp_path / "checkpoint.pt")
-    good = {"format": "utils.train_cifar10/1", "model": {"w": torch.ones(2)}, "optimizer": {}, "scheduler": {},
-            "epoch": 1, "step_in_epoch": 0, "step": 8, "config": {"model": "simplecnn", "global_batch": 64, "seed": 0}}
+    config = {"model": "simplecnn", "epochs": 2, "global_batch": 64, "lr": 0.05, "momentum": 0.9,
+              "weight_decay": 5e-4, "seed": 0, "data_size": 512}
+    good = {"format": "utils.train_cifar10/2", "model": {"w": torch.ones(2)}, "optimizer": {}, "scheduler": {},
+            "epoch": 1, "step_in_epoch": 0, "step": 8, "config": config}
     save_checkpoint(path, good)
 
     def crash_midway(obj, f, *args, **kwargs):
@@ -93,21 +172,28 @@ def test_an_interrupted_checkpoint_write_leaves_the_previous_one_loadable(tmp_pa
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(path, {**good, "step": 16})
     monkeypatch.undo()
-    assert load_checkpoint(path, "simplecnn")["step"] == 8
+    assert load_checkpoint(path, config)["step"] == 8
     assert os.listdir(tmp_path) == ["checkpoint.pt"]  # no temporary file left behind
 
 
 @pytest.mark.parametrize("args, message", [
     (["--data", "/nonexistent/cifar"], "no CIFAR-10 in '/nonexistent/cifar'; pass --download"),
-    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    (["--global-batch", "0"], "--global-batch must be at least 1, got 0"),
     (["--epochs", "-1"], "--epochs must be at least 1"),
     (["--amp"], "--amp and --sync-bn need CUDA"),
+    (["--global-batch", "1024"], "512 training images is less than one global batch of 1024"),
 ])
 def test_bad_input_stops_early_with_a_message(data, tmp_path, args, message):
-    base = ["--data", data, "--out", str(tmp_path), "--no-progress"]
+    base = ["--data", data, "--out", str(tmp_path), "--no-progress", "--device", "cpu"]
     done = single(*(base + args), timeout=120)
-    assert done.returncode != 0
+    assert done.returncode != 0 and "Traceback" not in done.stderr
     assert message in done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_asking_for_cuda_without_it_says_so(data, tmp_path):
+    done = single("--data", data, "--out", str(tmp_path), "--device", "cuda", timeout=120)
+    assert done.returncode != 0 and "--device cuda, but torch.cuda.is_available() is False" in done.stderr
 
 
 @pytest.mark.parametrize("content, message", [
@@ -120,7 +206,7 @@ def test_unreadable_or_foreign_checkpoints_are_refused(data, tmp_path, content, 
         torch.save({"state_dict": {"w": torch.ones(1)}}, path)  # someone else's checkpoint
     else:
         path.write_bytes(content)
-    done = single("--data", data, "--out", str(tmp_path), "--resume", "--no-progress", timeout=120)
+    done = single("--data", data, "--out", str(tmp_path), "--resume", "--no-progress", "--device", "cpu", timeout=120)
     assert done.returncode != 0 and message in done.stderr
 
 
@@ -128,3 +214,10 @@ def test_more_processes_than_gpus_is_refused():
     with pytest.raises(SystemExit, match="4 processes on this node but only 2 GPUs"):
         check_gpus(4, 2)
     check_gpus(2, 2)
+
+
+def test_the_global_batch_must_split_evenly():
+    assert per_process_batch(64, 4) == 16
+    with pytest.raises(SystemExit, match=r"--global-batch 100 does not split evenly over 3 processes; "
+                                         r"use a multiple of 3 \(e.g. 99 or 102\)"):
+        per_process_batch(100, 3)

@@ -16,7 +16,8 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from ._checks import check_int, check_rank
 
-__all__ = ["Simple", "ShardedIterable", "global_worker", "write_synthetic_cifar10", "is_synthetic_cifar10", "load_cifar10"]
+__all__ = ["Simple", "ShardedIterable", "global_worker", "write_synthetic_cifar10", "is_synthetic_cifar10", "load_cifar10",
+           "download_cifar10"]
 
 
 class Simple(Dataset):
@@ -134,17 +135,43 @@ def write_synthetic_cifar10(root: str, n_train: int = 5000, n_test: int = 1000, 
     solved by one pixel. Files: ``data_batch_1..5``, ``test_batch`` and ``batches.meta``, pickled as
     the real ones, plus ``SYNTHETIC_DATA.json`` (how it was made, and the files' MD5s, which
     ``load_cifar10`` checks exactly as torchvision checks the real ones).
+
+    The files are written into a temporary folder that is then renamed into place, so a reader
+    never sees half a data set, and several writers (one per node on a shared file system) may race:
+    the first rename wins and the others, which wrote the same bytes, discard theirs. A folder that
+    already holds other data is refused rather than overwritten.
     """
     import hashlib
     import json
     import os
     import pickle
+    import shutil
+    import tempfile
 
     n_train = check_int("n_train", n_train, minimum=5)
     n_test = check_int("n_test", n_test, minimum=1)
     seed = check_int("seed", seed, minimum=0)
-    folder = os.path.join(root, "cifar-10-batches-py")
-    os.makedirs(folder, exist_ok=True)
+    final = os.path.join(root, "cifar-10-batches-py")
+    recipe = {"synthetic": True, "generator": "utils.data.write_synthetic_cifar10", "n_train": n_train,
+              "n_test": n_test, "seed": seed}
+
+    def existing_recipe():
+        try:
+            with open(os.path.join(final, SYNTHETIC_MARKER)) as f:
+                return {k: v for k, v in json.load(f).items() if k != "md5"}
+        except (OSError, ValueError):
+            return None
+
+    def keep_or_refuse():
+        if existing_recipe() != recipe:
+            raise FileExistsError(f"{final} already holds other data ({existing_recipe() or 'not synthetic'}); "
+                                  f"remove it or write to another root")
+        return final
+
+    if os.path.isdir(final):
+        return keep_or_refuse()
+    os.makedirs(root, exist_ok=True)
+    folder = tempfile.mkdtemp(prefix=".cifar-10-batches-py.", dir=root)
     rng = np.random.default_rng(seed)
     palette = rng.integers(40, 216, size=(10, 3))
     centres = [(8 + 16 * (c % 2), 5 + 5.5 * (c // 2)) for c in range(10)]  # two columns, five rows
@@ -179,9 +206,44 @@ def write_synthetic_cifar10(root: str, n_train: int = 5000, n_test: int = 1000, 
             with open(os.path.join(folder, name), "rb") as f:
                 md5[name] = hashlib.md5(f.read()).hexdigest()
     with open(os.path.join(folder, SYNTHETIC_MARKER), "w") as f:
-        json.dump({"synthetic": True, "generator": "utils.data.write_synthetic_cifar10", "n_train": n_train,
-                   "n_test": n_test, "seed": seed, "md5": md5}, f, indent=2)
-    return folder
+        json.dump({**recipe, "md5": md5}, f, indent=2)
+    os.chmod(folder, 0o755)  # mkdtemp made it private
+    try:
+        os.rename(folder, final)  # atomic; fails if another writer got there first
+    except OSError:
+        shutil.rmtree(folder, ignore_errors=True)
+        return keep_or_refuse()
+    return final
+
+
+def download_cifar10(root: str) -> str:
+    """Download and check the real CIFAR-10 into ``root/cifar-10-batches-py`` (needs a network).
+
+    torchvision downloads and extracts into a temporary folder that is renamed into place, so that
+    several nodes downloading into one shared folder at once cannot leave a mix of half-written
+    files: the first rename wins. Returns at once if the folder is already there.
+    """
+    import contextlib
+    import os
+    import shutil
+    import tempfile
+
+    from torchvision.datasets import CIFAR10
+
+    final = os.path.join(root, "cifar-10-batches-py")
+    if os.path.isdir(final):
+        return final
+    os.makedirs(root, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix=".cifar10-download.", dir=root)
+    try:
+        CIFAR10(scratch, train=True, download=True)  # downloads, checks the MD5, extracts
+        with contextlib.suppress(OSError):
+            os.rename(os.path.join(scratch, "cifar-10-batches-py"), final)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if not os.path.isdir(final):
+        raise RuntimeError(f"downloading CIFAR-10 into {root} failed")
+    return final
 
 
 def is_synthetic_cifar10(root: str) -> bool:

@@ -84,7 +84,9 @@ class _Bucket:
 
     def pack(self) -> None:
         """Flatten the gradients into one buffer with a single concatenation (missing ones as zeros)."""
-        flags = torch.tensor([p.grad is not None for p in self.params], dtype=self.params[0].dtype)
+        # on the gradients' device: one buffer, one all-reduce (nccl refuses CPU tensors)
+        flags = torch.tensor([p.grad is not None for p in self.params], dtype=self.params[0].dtype,
+                             device=self.params[0].device)
         grads = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in self.params]
         self.buffer = torch.cat(grads + [flags])
 
@@ -234,7 +236,7 @@ class SyncBatchNorm(nn.Module):
         dims = [0] + list(range(2, x.dim()))
         shape = [1, -1] + [1] * (x.dim() - 2)
         if self.training:
-            count = torch.tensor([x.numel() / x.shape[1]], dtype=x.dtype)
+            count = torch.tensor([x.numel() / x.shape[1]], dtype=x.dtype, device=x.device)
             stats = torch.cat([x.sum(dims), (x * x).sum(dims), count])
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 stats = _AllReduceSum.apply(stats)

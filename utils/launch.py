@@ -14,7 +14,12 @@ per-rank results as a list. It is built for teaching and testing:
   it returns, so no rank and no DataLoader worker of a rank outlives it;
 * what a rank prints is captured and printed after the call, rank by rank, in rank order, so
   the output of a cell is the same every time it runs; the caller's warning filters apply on
-  every rank.
+  every rank;
+* ranks run on the CPU by default (``device="cpu"`` hides the GPUs from them), so a cell gives
+  the same result on a laptop and on a GPU server; ``device="cuda"`` (with ``backend="nccl"``)
+  gives rank ``r`` the GPU ``r % device_count``;
+* DataLoader workers started by a rank use the caller's start method (``fork``, ``spawn`` or
+  ``forkserver``), so a notebook meets the same pickling rules inside ranks as outside.
 
 Ranks are forked from a ``forkserver`` that imported torch once, so a call costs a fraction of
 a second after the first one (see ``tests/test_launch.py::test_call_overhead``).
@@ -110,15 +115,19 @@ def _exit_when_orphaned(parent_pid: int, parent_create_time: float) -> None:
             os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
-def _rank_main(rank, world_size, port, backend, timeout_s, threads, sys_path, environ, payload, conn, files, parent):
+def _rank_main(rank, world_size, port, backend, device, start_method, timeout_s, threads, sys_path, environ,
+               payload, conn, files, parent):
     """Entry point of one rank (runs in the child process)."""
     os.setpgrp()  # own process group: the parent kills this rank and its workers in one call
     # The fork server was started with the environment of the first call; use the caller's now.
     os.environ.clear()
     os.environ.update(environ)
+    if device == "cpu":
+        # Before CUDA is initialised in this process: torch.cuda.is_available() is now False here.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     # Forkserver children inherit 'forkserver' as their start method; give DataLoader workers
-    # the platform default instead, as in a process started by torchrun.
-    mp.set_start_method(None, force=True)
+    # the caller's instead (fork on Linux up to Python 3.13, spawn on macOS and Windows).
+    mp.set_start_method(start_method, force=True)
     threading.Thread(target=_exit_when_orphaned, args=parent, daemon=True).start()
     sys.path[:] = sys_path
     stack_out = open(files["stack"], "w")
@@ -127,6 +136,8 @@ def _rank_main(rank, world_size, port, backend, timeout_s, threads, sys_path, en
     open(files["ready"], "w").close()  # from now on the parent may ask for a stack dump
     _set_rank_env(rank, world_size, port)
     torch.set_num_threads(threads)
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # before the group, as torchrun scripts do
     # What the rank prints goes to a file, so the caller can show it even if the rank hangs.
     captured = open(files["output"], "w", buffering=1, encoding="utf-8")
     try:
@@ -214,13 +225,15 @@ def run_distributed(
     timeout: float = 120.0,
     threads_per_rank: int = 1,
     show_output: bool = True,
+    device: str = "cpu",
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` local ranks sharing a process group; return each rank's result.
 
     ``fn`` finds its rank with ``torch.distributed.get_rank()``. Results come back in rank order
     (tensors included). Raises :class:`RankError` as soon as a rank fails and
     :class:`RankTimeoutError` if ranks are still running after ``timeout`` seconds; in every
-    case all rank processes are gone when the call returns.
+    case all rank processes are gone when the call returns. ``device="cpu"`` (the default) hides
+    the GPUs from the ranks; ``device="cuda"`` puts rank ``r`` on GPU ``r % device_count``.
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
@@ -230,6 +243,12 @@ def run_distributed(
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if not isinstance(backend, str) or not dist.is_backend_available(backend):
         raise ValueError(f"backend={backend!r} is not available in this torch build; use 'gloo' on CPU")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not supported; expected 'cpu' or 'cuda'")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch.cuda.is_available() is False here; use device='cpu'")
+    if device == "cpu" and backend == "nccl":
+        raise ValueError("backend='nccl' moves CUDA tensors only; use device='cuda' with it, or backend='gloo'")
 
     payload = cloudpickle.dumps((fn, args, list(warnings.filters)))
     ctx = _context()
@@ -248,7 +267,8 @@ def run_distributed(
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=_rank_main,
-                args=(rank, world_size, store.port, backend, float(timeout), threads_per_rank,
+                args=(rank, world_size, store.port, backend, device, mp.get_start_method(), float(timeout),
+                      threads_per_rank,
                       list(sys.path), dict(os.environ), payload, child_end, files[rank], parent),
                 name=f"rank{rank}",
                 daemon=False,  # a rank must be able to start DataLoader workers

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from ._checks import check_int
+from .devices import collective_device
 from .samplers import resolve_world
 
 __all__ = ["EvalShardSampler", "sum_over_ranks", "gather_by_index"]
@@ -46,10 +47,14 @@ class EvalShardSampler(Sampler[int]):
 
 
 def sum_over_ranks(*values: float) -> tuple[float, ...]:
-    """Sum each value over all ranks with one all-reduce (float64, so counts stay exact)."""
+    """Sum each value over all ranks with one all-reduce (float64, so counts stay exact).
+
+    The tensor lives on :func:`~utils.devices.collective_device`: the CPU for ``gloo``, this
+    rank's current GPU for ``nccl``.
+    """
     if not values:
         raise ValueError("sum_over_ranks needs at least one value")
-    totals = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    totals = torch.tensor([float(v) for v in values], dtype=torch.float64, device=collective_device())
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(totals)
     return tuple(totals.tolist())
@@ -59,22 +64,26 @@ def gather_by_index(indices: torch.Tensor, values: torch.Tensor, dataset_len: in
     """Collect ``values[i]`` for sample ``indices[i]`` from every rank; return one value per sample, in index order.
 
     Duplicated indices (the padding of ``DistributedSampler``) keep one copy. Every rank gets the
-    full result. Raises if some index in ``range(dataset_len)`` was evaluated by no rank.
+    full result, on the device ``values`` came on. Raises if some index in ``range(dataset_len)`` was
+    evaluated by no rank.
     """
     dataset_len = check_int("dataset_len", dataset_len, minimum=0)
-    indices = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
     values = torch.as_tensor(values)
+    home = values.device
+    indices = torch.as_tensor(indices, dtype=torch.int64, device=home).reshape(-1)
     if len(values) != len(indices):
         raise ValueError(f"indices and values differ in length: {len(indices)} != {len(values)}")
     if dist.is_available() and dist.is_initialized():
         world = dist.get_world_size()
-        length = torch.tensor([len(indices)])
+        device = collective_device()  # nccl moves CUDA tensors only, gloo CPU tensors only
+        indices, values = indices.to(device), values.to(device)
+        length = torch.tensor([len(indices)], device=device)
         lengths = [torch.zeros_like(length) for _ in range(world)]
         dist.all_gather(lengths, length)
         longest = int(max(lengths))
         # all_gather needs equal shapes: pad with index -1 and drop it after gathering
         pad = longest - len(indices)
-        padded_idx = torch.cat([indices, torch.full((pad,), -1, dtype=torch.int64)])
+        padded_idx = torch.cat([indices, indices.new_full((pad,), -1)])
         padded_val = torch.cat([values, values.new_zeros((pad,) + tuple(values.shape[1:]))])
         all_idx = [torch.empty_like(padded_idx) for _ in range(world)]
         all_val = [torch.empty_like(padded_val) for _ in range(world)]
@@ -82,11 +91,11 @@ def gather_by_index(indices: torch.Tensor, values: torch.Tensor, dataset_len: in
         dist.all_gather(all_val, padded_val)
         indices, values = torch.cat(all_idx), torch.cat(all_val)
         keep = indices >= 0
-        indices, values = indices[keep], values[keep]
+        indices, values = indices[keep].to(home), values[keep].to(home)
     if len(indices) and (indices.min() < 0 or indices.max() >= dataset_len):
         raise ValueError(f"an index is out of range for dataset_len={dataset_len}")
     result = values.new_zeros((dataset_len,) + tuple(values.shape[1:]))
-    seen = torch.zeros(dataset_len, dtype=torch.bool)
+    seen = torch.zeros(dataset_len, dtype=torch.bool, device=home)
     result[indices] = values  # duplicates write the same sample's value again
     seen[indices] = True
     if not bool(seen.all()):

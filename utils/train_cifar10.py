@@ -6,19 +6,21 @@
              --rdzv-endpoint=HOST:PORT -m utils.train_cifar10 ...            # M nodes
 
 ``RANK`` in the environment (set by torchrun) makes it a distributed run: ``nccl`` with CUDA, ``gloo``
-without, one GPU per local rank. Rank 0 alone logs (a progress bar with images/s, and a JSON-lines
-metrics file) and writes checkpoints (atomically). Every random choice is a function of the seed,
-the epoch and the sample index, so a run killed and resumed from a checkpoint, on any number of
-workers, ends with the same parameters as one that never stopped.
+without (or with ``--device cpu``), one GPU per local rank. Local rank 0 of each node prepares the
+data. Rank 0 alone logs (a progress bar with images/s, and a JSON-lines metrics file), writes
+checkpoints (atomically) and decides whether to resume, for everyone. ``--global-batch`` is split
+over the processes and every global batch is the same block of the epoch's order whatever their
+number, so a run may resume on another number of processes. Every random choice is a function of
+the seed, the epoch and the sample index (augmentations), or of the seed, step and rank (anything
+a model draws), so a run killed and resumed from a checkpoint, on any number of workers, ends
+with the same parameters as one that never stopped.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import random
 import sys
 import time
 
@@ -29,10 +31,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
-from .data import is_synthetic_cifar10, load_cifar10, write_synthetic_cifar10
+from .data import download_cifar10, is_synthetic_cifar10, load_cifar10, write_synthetic_cifar10
+from .devices import collective_device
 from .metrics import EvalShardSampler, sum_over_ranks
 from .samplers import ShardSampler
-from .seeding import sample_generator
+from .seeding import derive_seed, sample_generator, seed_everything
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
@@ -48,29 +51,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--synthetic-size", type=int, nargs=2, default=[5000, 1000], metavar=("TRAIN", "TEST"))
     p.add_argument("--model", choices=["simplecnn", "resnet18"], default="simplecnn")
     p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=128, help="per process")
+    p.add_argument("--global-batch", type=int, default=256,
+                   help="images per optimizer step over all processes; each process takes global-batch / world size")
     p.add_argument("--lr", type=float, default=0.05, help="peak learning rate (one-cycle schedule)")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers per process")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: CUDA (nccl) when available, else CPU (gloo); cpu: gloo even on a GPU machine")
     p.add_argument("--amp", action="store_true", help="bf16 autocast (CUDA only)")
     p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across GPUs (CUDA only)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic algorithms only (bit-identical reruns on a GPU; slower)")
     p.add_argument("--out", default="runs/cifar10", help="folder for metrics.jsonl and checkpoints")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: at epoch ends)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt if it exists")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt if rank 0 finds it")
     p.add_argument("--fail-at-step", type=int, default=-1, help="(testing) the last rank dies at this step, once")
+    p.add_argument("--stop-at-step", type=int, default=-1,
+                   help="stop after this step with a checkpoint, as a job whose time is up (resume with --resume)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
     args = p.parse_args(argv)
-    for name in ("epochs", "batch_size"):
+    for name in ("epochs", "global_batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.workers < 0:
-        p.error(f"--workers must be 0 or more, got {args.workers}")
-    if args.lr <= 0:
+    for name in ("workers", "seed", "checkpoint_every"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
+    if not args.lr > 0:
         p.error(f"--lr must be positive, got {args.lr}")
-    if min(args.synthetic_size) < 1:
-        p.error("--synthetic-size needs two positive numbers")
+    if min(args.synthetic_size) < 5:
+        p.error(f"--synthetic-size needs two numbers of at least 5, got {args.synthetic_size}")
     return args
 
 
@@ -78,10 +89,20 @@ def check_gpus(local_world_size: int, device_count: int) -> None:
     """One GPU per process: refuse to start more processes on a node than it has GPUs."""
     if local_world_size > device_count:
         raise SystemExit(f"error: {local_world_size} processes on this node but only {device_count} GPUs; "
-                         f"use --nproc_per_node={device_count} or fewer")
+                         f"use --nproc_per_node={device_count} or fewer, or --device cpu")
 
 
-def init_process_group(backend: str) -> None:
+def per_process_batch(global_batch: int, world_size: int) -> int:
+    """The batch of one process: the global batch split evenly, or a clear error."""
+    if global_batch % world_size:
+        below = global_batch // world_size * world_size
+        nearest = f"{below} or {below + world_size}" if below else f"{world_size}"
+        raise SystemExit(f"error: --global-batch {global_batch} does not split evenly over {world_size} processes; "
+                         f"use a multiple of {world_size} (e.g. {nearest})")
+    return global_batch // world_size
+
+
+def init_process_group(backend: str, device: torch.device | None = None) -> None:
     """``init_process_group`` from torchrun's variables, with a store prefix per restart attempt.
 
     torchrun (2.14) keeps its key-value store across restarts, and without a fresh prefix the
@@ -92,8 +113,47 @@ def init_process_group(backend: str) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0  # else torchrun's agent does
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, hosts_store)
+    extra = {"device_id": device} if backend == "nccl" else {}  # binds this rank's GPU: barriers use it
     dist.init_process_group(backend, store=dist.PrefixStore(f"train_cifar10/attempt_{attempt}", store),
-                            rank=rank, world_size=world_size)
+                            rank=rank, world_size=world_size, **extra)
+
+
+def setup_distributed(device_choice: str) -> tuple[bool, int, int, int, torch.device]:
+    """``(ddp, rank, local_rank, world_size, device)``; ``RANK`` in the environment means torchrun started us."""
+    cuda_available = torch.cuda.is_available()
+    if device_choice == "cuda" and not cuda_available:
+        raise SystemExit("error: --device cuda, but torch.cuda.is_available() is False here; use --device cpu or auto")
+    cuda = device_choice == "cuda" or (device_choice == "auto" and cuda_available)
+    ddp = "RANK" in os.environ
+    local_rank = int(os.environ.get("LOCAL_RANK", 0)) if ddp else 0
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if not ddp:
+        return False, 0, 0, 1, device
+    if cuda:
+        check_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
+        torch.cuda.set_device(device)  # one GPU per process, before anything touches CUDA
+    init_process_group("nccl" if cuda else "gloo", device)
+    return True, dist.get_rank(), local_rank, dist.get_world_size(), device
+
+
+def prepare_data(args, local_rank: int, ddp: bool) -> None:
+    """Local rank 0 of *each node* downloads or writes the data; everyone waits for all nodes.
+
+    Nodes may not share a disk, so preparing it on global rank 0 alone would leave the other nodes
+    without data. On a shared file system the nodes race to the same folder, which is safe: both
+    writers put their files in a temporary folder and rename it into place, and the first wins.
+    """
+    folder = os.path.join(args.data, "cifar-10-batches-py")
+    if not os.path.isdir(folder) and not args.download and not args.synthetic:
+        raise SystemExit(f"error: no CIFAR-10 in {args.data!r}; pass --download (needs a network) "
+                         "or --synthetic (writes a small generated stand-in)")
+    if local_rank == 0 and not os.path.isdir(folder):
+        if args.download:
+            download_cifar10(args.data)
+        else:
+            write_synthetic_cifar10(args.data, *args.synthetic_size, seed=args.seed)
+    if ddp:
+        dist.barrier()  # every node's local rank 0 has prepared its copy
 
 
 # --- models -------------------------------------------------------------------------------------
@@ -135,41 +195,50 @@ class KeyedAugment(Dataset):
     """
 
     def __init__(self, base, seed: int, train: bool):
-        self.base, self.seed, self.train = base, seed, train
+        # Keep the arrays, not torchvision's object: workers started with spawn (macOS, Windows)
+        # receive this data set pickled, and a plain array pickles anywhere.
+        self.data, self.targets = base.data, list(base.targets)
+        self.seed, self.train = seed, train
         self.mean = torch.tensor(CIFAR_MEAN).view(3, 1, 1)
         self.std = torch.tensor(CIFAR_STD).view(3, 1, 1)
 
     def __len__(self):
-        return len(self.base)
+        return len(self.data)
 
     def __getitem__(self, key):
         epoch, index = key if isinstance(key, tuple) else (0, key)
-        image = torch.from_numpy(self.base.data[index]).permute(2, 0, 1).float().div_(255)
+        image = torch.from_numpy(self.data[index]).permute(2, 0, 1).float().div_(255)
         if self.train:
             g = sample_generator(self.seed, epoch, index)
             dy, dx = torch.randint(0, 9, (2,), generator=g).tolist()
             image = F.pad(image, (4, 4, 4, 4))[:, dy:dy + 32, dx:dx + 32]
             if torch.rand((), generator=g) < 0.5:
                 image = image.flip(2)
-        return (image - self.mean) / self.std, self.base.targets[index]
+        return (image - self.mean) / self.std, self.targets[index]
 
 
 class EpochSampler(ShardSampler):
-    """ShardSampler that yields ``(epoch, index)`` and can start part-way through an epoch (for resuming)."""
+    """ShardSampler that yields ``(epoch, index)`` for this rank's positions ``start`` to ``stop``.
+
+    ShardSampler deals the epoch's order round robin, so with a per-rank batch ``b`` step ``k`` of
+    every rank together covers positions ``[k*G, (k+1)*G)`` of the order, ``G = b * world_size``:
+    a global batch does not depend on the number of processes, and a run can resume on another
+    number of them. ``stop`` cuts the epoch at a whole number of global batches (no padded copies).
+    """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.start = 0
+        self.start, self.stop = 0, self.num_samples
 
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
+    def set_epoch(self, epoch: int, start: int = 0, stop: int | None = None) -> None:
         super().set_epoch(epoch)
-        self.start = start
+        self.start, self.stop = start, self.num_samples if stop is None else stop
 
     def __iter__(self):
-        return iter([(self.epoch, i) for i in self.indices()[self.start:].tolist()])
+        return iter([(self.epoch, i) for i in self.indices()[self.start:self.stop].tolist()])
 
     def __len__(self):
-        return self.num_samples - self.start
+        return max(0, min(self.stop, self.num_samples) - self.start)
 
 
 # --- checkpoints ------------------------------------------------------------------------------
@@ -188,18 +257,64 @@ def save_checkpoint(path: str, state: dict) -> None:
             os.remove(tmp)
 
 
-def load_checkpoint(path: str, model_name: str) -> dict:
-    """Load with ``weights_only=True``; refuse files that are unreadable or not ours, saying why."""
+FORMAT = "utils.train_cifar10/2"
+# What a resumed run must repeat: each decides the model or the schedule of optimizer steps.
+RUN_SETTINGS = ("model", "epochs", "global_batch", "lr", "momentum", "weight_decay", "seed", "data_size")
+
+
+def run_config(args, data_size: int) -> dict:
+    return {"model": args.model, "epochs": args.epochs, "global_batch": args.global_batch, "lr": args.lr,
+            "momentum": args.momentum, "weight_decay": args.weight_decay, "seed": args.seed, "data_size": data_size}
+
+
+def load_checkpoint(path: str, config: dict) -> dict:
+    """Load with ``weights_only=True``; refuse files that are unreadable, not ours, or from another run.
+
+    A resumed run must continue the same schedule: the one-cycle learning rate is laid out over
+    ``epochs x steps per epoch`` steps and the sample order follows the seed, so a different
+    ``--epochs``, ``--lr``, ``--global-batch``, ``--seed`` or model is refused with the differences
+    listed. ``--workers``, ``--device`` and the number of processes may change.
+    """
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise SystemExit(f"error: cannot read checkpoint {path}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
     expected = {"format", "model", "optimizer", "scheduler", "epoch", "step_in_epoch", "step", "config"}
-    if not isinstance(state, dict) or state.get("format") != "utils.train_cifar10/1" or not expected <= set(state):
+    if not isinstance(state, dict) or not expected <= set(state) or not str(state["format"]).startswith("utils.train_cifar10/"):
         raise SystemExit(f"error: {path} is not a checkpoint written by utils.train_cifar10")
-    if state["config"]["model"] != model_name:
-        raise SystemExit(f"error: {path} holds a {state['config']['model']} model, but --model is {model_name}")
+    if state["format"] != FORMAT:
+        raise SystemExit(f"error: {path} was written by another version of this script ({state['format']}, "
+                         f"this one reads {FORMAT}); start a new run with another --out")
+    saved = state["config"]
+    changed = [f"--{k.replace('_', '-')} {config[k]} (checkpoint: {saved.get(k)})" for k in RUN_SETTINGS
+               if saved.get(k) != config[k]]
+    if changed:
+        raise SystemExit(f"error: cannot resume {path}: " + ", ".join(changed).replace("--data-size", "data set size")
+                         + ". A resumed run continues the same schedule; repeat the checkpoint's values, or start"
+                         " a new run with another --out")
     return state
+
+
+def agree_on_resume(path: str, config: dict, rank: int, ddp: bool) -> dict | None:
+    """Rank 0 alone looks for the checkpoint and reads it; every rank gets what it found.
+
+    Deciding on each rank would let a node that cannot see the file (a node-local --out, or a stale
+    NFS attribute cache) start from scratch while the others resume, and the job would train on
+    mismatched states or hang. A refusal on rank 0 stops every rank with the same message.
+    """
+    found = None
+    if rank == 0 and os.path.exists(path):
+        try:
+            found = ("state", load_checkpoint(path, config))
+        except SystemExit as exc:
+            found = ("error", str(exc))
+    if ddp:
+        box = [found]
+        dist.broadcast_object_list(box, src=0, device=collective_device())
+        found = box[0]
+    if found is not None and found[0] == "error":
+        raise SystemExit(found[1])
+    return None if found is None else found[1]
 
 
 # --- training -----------------------------------------------------------------------------------
@@ -220,91 +335,66 @@ def evaluate(model: nn.Module, loader, device) -> float:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: cuBLAS needs it
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
 
-    # --- distributed set-up: RANK in the environment means torchrun started us ---
-    ddp = "RANK" in os.environ
-    cuda = torch.cuda.is_available()
-    if ddp:
-        local_rank = int(os.environ["LOCAL_RANK"])
-        if cuda:
-            check_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
-            torch.cuda.set_device(local_rank)
-        init_process_group("nccl" if cuda else "gloo")
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-    else:
-        local_rank, rank, world_size = 0, 0, 1
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    master = rank == 0
+    # --- distributed set-up ---
+    ddp, rank, local_rank, world_size, device = setup_distributed(args.device)
+    cuda = device.type == "cuda"
+    master = rank == 0  # rank 0 alone logs and saves
     if (args.amp or args.sync_bn) and not cuda:
-        raise SystemExit("error: --amp and --sync-bn need CUDA; this machine has no GPU")
-    torch.manual_seed(args.seed)  # the model's initialisation; DDP broadcasts rank 0's anyway
-    random.seed(args.seed)
+        raise SystemExit("error: --amp and --sync-bn need CUDA; this run is on the CPU")
+    batch_size = per_process_batch(args.global_batch, world_size)
 
-    # --- data ---
-    folder = os.path.join(args.data, "cifar-10-batches-py")
-    if not os.path.isdir(folder) and not args.download:
-        if not args.synthetic:
-            raise SystemExit(f"error: no CIFAR-10 in {args.data!r}; pass --download (needs a network) "
-                             "or --synthetic (writes a small generated stand-in)")
-        if master:
-            write_synthetic_cifar10(args.data, *args.synthetic_size, seed=args.seed)
-    if args.download and master:
-        load_cifar10(args.data, train=True, download=True)
-    if ddp:
-        dist.barrier()  # rank 0 has written or downloaded the data
+    # --- data: prepared once per node; every process reads its own copy ---
+    prepare_data(args, local_rank, ddp)
     synthetic = is_synthetic_cifar10(args.data)
     train_set = KeyedAugment(load_cifar10(args.data, train=True), args.seed, train=True)
     test_set = KeyedAugment(load_cifar10(args.data, train=False), args.seed, train=False)
+    steps_per_epoch = len(train_set) // args.global_batch  # whole global batches: the same on any world size
+    if steps_per_epoch == 0:
+        raise SystemExit(f"error: {len(train_set)} training images is less than one global batch of {args.global_batch}")
     sampler = EpochSampler(train_set, world_size, rank, shuffle=True, seed=args.seed)
     loader_kwargs = dict(num_workers=args.workers, pin_memory=cuda, persistent_workers=args.workers > 0)
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True, **loader_kwargs)
+    train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True, **loader_kwargs)
     test_loader = DataLoader(test_set, batch_size=512, sampler=EvalShardSampler(test_set, world_size, rank),
                              **loader_kwargs)
-    steps_per_epoch = len(sampler) // args.batch_size
-    if steps_per_epoch == 0:
-        raise SystemExit(f"error: {len(sampler)} training samples per process is less than one batch of {args.batch_size}")
 
-    # --- model, optimizer, schedule ---
-    model = make_model(args.model).to(device)
+    # --- model, optimizer, schedule; then the checkpoint, if any, before the DDP wrap ---
+    torch.manual_seed(args.seed)  # one seed where ranks must agree: the initial weights
+    model = make_model(args.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay, nesterov=True)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.epochs * steps_per_epoch,
+                                                    pct_start=0.25)
+    os.makedirs(args.out, exist_ok=True)
+    ckpt_path = os.path.join(args.out, CHECKPOINT)
+    config = run_config(args, len(train_set))
+    epoch, step_in_epoch, step = 0, 0, 0
+    state = agree_on_resume(ckpt_path, config, rank, ddp) if args.resume else None
+    if state is not None:
+        model.load_state_dict(state["model"])
+        epoch, step_in_epoch, step = state["epoch"], state["step_in_epoch"], state["step"]
+    model = model.to(device)
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])  # after .to(device): moves its buffers there too
+        scheduler.load_state_dict(state["scheduler"])
+        if master:
+            print(f"resumed from {ckpt_path}: epoch {epoch}, step {step_in_epoch} of the epoch ({step} in all)", flush=True)
     if args.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     raw_model = model
     if ddp:
         model = DDP(model, device_ids=[local_rank] if cuda else None)
-    optimizer = torch.optim.SGD(raw_model.parameters(), lr=args.lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay, nesterov=True)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.epochs * steps_per_epoch,
-                                                    pct_start=0.25)
-
-    # --- resume ---
-    os.makedirs(args.out, exist_ok=True)
-    ckpt_path = os.path.join(args.out, CHECKPOINT)
-    epoch, step_in_epoch, step = 0, 0, 0
-    if args.resume and os.path.exists(ckpt_path):
-        state = load_checkpoint(ckpt_path, args.model)
-        if state["config"]["global_batch"] != args.batch_size * world_size:
-            raise SystemExit(f"error: the checkpoint was trained with a global batch of {state['config']['global_batch']}, "
-                             f"this run has {args.batch_size} x {world_size} = {args.batch_size * world_size}")
-        raw_model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        epoch, step_in_epoch, step = state["epoch"], state["step_in_epoch"], state["step"]
-        if "torch_rng" in state:
-            torch.set_rng_state(state["torch_rng"])
-            random.setstate(state["python_rng"])
-        if cuda and state.get("cuda_rng"):
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
-        if master:
-            print(f"resumed from {ckpt_path}: epoch {epoch}, step {step_in_epoch} of the epoch ({step} in all)", flush=True)
 
     def checkpoint():
         if master:
             save_checkpoint(ckpt_path, {
-                "format": "utils.train_cifar10/1", "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+                "format": FORMAT, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "epoch": epoch, "step_in_epoch": step_in_epoch, "step": step,
-                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-                "cuda_rng": torch.cuda.get_rng_state_all() if cuda else [],
-                "config": {"model": args.model, "global_batch": args.batch_size * world_size, "seed": args.seed}})
+                "world_size": world_size, "config": config})
         if ddp:
             dist.barrier()  # nobody runs ahead of a checkpoint that may be needed to restart them
 
@@ -312,20 +402,22 @@ def main(argv=None) -> None:
     if master:
         print(f"{'synthetic' if synthetic else 'real'} CIFAR-10 in {args.data}: {len(train_set)} train, "
               f"{len(test_set)} test images; {world_size} process(es), {device.type}, "
-              f"{'nccl' if ddp and cuda else 'gloo' if ddp else 'no process group'}; "
-              f"global batch {args.batch_size * world_size}", flush=True)
+              f"{dist.get_backend() if ddp else 'no process group'}; "
+              f"global batch {args.global_batch} = {batch_size} x {world_size}", flush=True)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
     # --- the loop ---
     while epoch < args.epochs:
-        sampler.set_epoch(epoch, start=step_in_epoch * args.batch_size)
+        sampler.set_epoch(epoch, start=step_in_epoch * batch_size, stop=steps_per_epoch * batch_size)
         bar = None
         if master and not args.no_progress:
             from tqdm import tqdm
             bar = tqdm(total=steps_per_epoch, initial=step_in_epoch, desc=f"epoch {epoch}", unit="step",
                        file=sys.stdout, mininterval=1.0)
-        t0, seen, loss_sum = time.perf_counter(), 0, 0.0
+        t0, seen, loss_sum, steps_run = time.perf_counter(), 0, 0.0, 0
         for x, y in train_loader:
+            # a seed per rank and step where ranks must differ (dropout, if a model had it), also after a resume
+            seed_everything(derive_seed(args.seed, step), rank)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
                 loss = F.cross_entropy(model(x), y)
@@ -333,7 +425,7 @@ def main(argv=None) -> None:
             loss.backward()
             optimizer.step()
             scheduler.step()
-            step, step_in_epoch = step + 1, step_in_epoch + 1
+            step, step_in_epoch, steps_run = step + 1, step_in_epoch + 1, steps_run + 1
             seen += len(x) * world_size
             loss_sum += loss.item()
             if bar is not None:
@@ -343,10 +435,15 @@ def main(argv=None) -> None:
                 os._exit(1)  # a crash, for the fault-tolerance test: no cleanup, no checkpoint
             if args.checkpoint_every and step % args.checkpoint_every == 0 and step_in_epoch < steps_per_epoch:
                 checkpoint()
+            if step == args.stop_at_step:
+                break
         if bar is not None:
             bar.close()
+        if step == args.stop_at_step and step_in_epoch < steps_per_epoch:
+            checkpoint()  # stopped mid-epoch, as a job whose time ran out: save where it stands
+            break
         elapsed = time.perf_counter() - t0
-        train_loss = sum_over_ranks(loss_sum, max(seen // world_size // args.batch_size, 1))
+        train_loss = sum_over_ranks(loss_sum, max(steps_run, 1))
         accuracy = evaluate(raw_model, test_loader, device)
         epoch, step_in_epoch = epoch + 1, 0
         checkpoint()
@@ -358,10 +455,13 @@ def main(argv=None) -> None:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
             print(json.dumps(record), flush=True)
+        if step == args.stop_at_step:
+            break
 
     if master:
         metrics.close()
-        torch.save(raw_model.state_dict(), os.path.join(args.out, "model_final.pt"))
+        if epoch == args.epochs:
+            torch.save(raw_model.state_dict(), os.path.join(args.out, "model_final.pt"))
     if ddp:
         dist.destroy_process_group()
 

@@ -1,0 +1,18 @@
+"""The start-method pass of `make test` really runs under the start method it names."""
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+
+import pytest
+
+METHOD = os.environ.get("BOOK_START_METHOD")
+
+
+@pytest.mark.skipif(not METHOD, reason="only in the start-method pass (BOOK_START_METHOD set)")
+def test_this_process_and_its_children_use_the_forced_start_method():
+    assert mp.get_start_method() == METHOD
+    child = subprocess.run([sys.executable, "-c", "import multiprocessing as m; print(m.get_start_method())"],
+                           capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == METHOD
