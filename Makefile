@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: book test test-utils test-notebooks bench clean
+.PHONY: book test test-utils test-notebooks test-notebooks-spawn gpu-check bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,14 +17,29 @@ $(STAMP): requirements.txt pyproject.toml
 book: $(STAMP)
 	$(BIN)/jupyter-book build . --path-output . -W -n --keep-going
 
-## make test: the utils tests, then every notebook re-executed and compared strictly by nbval
-test: test-utils test-notebooks
+## make test: the utils tests, then every notebook re-executed and compared strictly by nbval,
+## twice: with this platform's start method, and with `spawn` forced (as on macOS and Windows)
+test: test-utils test-notebooks test-notebooks-spawn
 
 test-utils: $(STAMP)
 	$(BIN)/python -m pytest tests -q
 
+NBVAL := -m pytest --nbval --nbval-current-env --nbval-sanitize-with sanitize.cfg -q -p no:cacheprovider
+
 test-notebooks: $(STAMP)
-	$(BIN)/python -m pytest --nbval --nbval-current-env --nbval-sanitize-with sanitize.cfg notebooks -q -p no:cacheprovider
+	$(BIN)/python $(NBVAL) notebooks
+
+# tests/start_method/sitecustomize.py sets the start method in every Python process started with
+# it on PYTHONPATH: the kernel, its DataLoader workers, the ranks' workers. test_start_method.py
+# checks that it took effect.
+test-notebooks-spawn: $(STAMP)
+	PYTHONPATH=$(CURDIR)/tests/start_method BOOK_START_METHOD=spawn \
+	  $(BIN)/python $(NBVAL) notebooks tests/test_start_method.py
+
+## make gpu-check: on a CUDA machine, the nccl paths on all local GPUs, the training script under
+## torchrun with a rank killed and restarted, then `make test`; writes book/results/gpu_check_<gpu>.json
+gpu-check: $(STAMP)
+	$(BIN)/python -m utils.gpu_check --make-test
 
 ## make bench: the benchmarks the chapters show from book/results (not timed tests)
 bench: $(STAMP)
