@@ -136,6 +136,7 @@ def test_two_calls_in_a_row_and_in_parallel_do_not_collide():
         ({"world_size": 0}, ValueError, "world_size=0"),
         ({"world_size": 2, "timeout": 0}, ValueError, "timeout must be a positive"),
         ({"world_size": 2, "backend": "nope"}, ValueError, "backend='nope'"),
+        ({"world_size": 2, "device": "tpu"}, ValueError, "device='tpu' is not supported"),
     ],
 )
 def test_bad_arguments(kwargs, error, text):
@@ -203,3 +204,19 @@ def test_every_ranks_output_is_shown_when_one_fails(capsys):
         run_distributed(print_then_fail, 2, timeout=60)
     out = capsys.readouterr().out
     assert "[rank 0] rank 0 was here" in out and "[rank 1] rank 1 was here" in out
+
+
+def test_ranks_run_on_the_cpu_by_default_even_where_there_are_gpus():
+    def where():
+        return os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.is_available()
+
+    assert run_distributed(where, 2) == [("", False)] * 2
+
+
+def test_ranks_give_their_dataloader_workers_the_callers_start_method():
+    import multiprocessing as mp
+
+    def start_method():
+        return mp.get_start_method()
+
+    assert run_distributed(start_method, 2) == [mp.get_start_method()] * 2
