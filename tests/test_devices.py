@@ -79,3 +79,16 @@ def test_sync_batchnorm_statistics_live_with_the_input(monkeypatch):
     bn = SyncBatchNorm(3).to("meta")
     out = bn(torch.empty(4, 3, 2, 2, device="meta"))  # on main: the count is made on the CPU
     assert out.device.type == "meta"
+
+
+def test_a_cuda_only_group_refuses_cpu_tensors_as_nccl_does():
+    """gloo registered for CUDA only: the same refusal as nccl's, reproducible without a GPU."""
+    def probe():
+        group = dist.new_group(backend="cuda:gloo")
+        try:
+            dist.all_reduce(torch.ones(1), group=group)
+            return group_device_types(group), "accepted"
+        except RuntimeError as exc:
+            return group_device_types(group), str(exc).splitlines()[0]
+
+    assert run_distributed(probe, 2) == [(["cuda"], "No backend type associated with device type cpu")] * 2
