@@ -22,9 +22,12 @@ def test_every_element_exactly_once_across_ranks_and_workers(n, world_size, num_
     assert all(c == 1 for c in seen.values())
 
 
-def test_with_real_ranks_and_workers():
+@pytest.mark.parametrize("context", [None, "spawn"])
+def test_with_real_ranks_and_workers(context):
+    # A spawned worker has no process group: the rank must travel with the pickled data set.
     def load():
-        loader = DataLoader(ShardedIterable(range(103)), batch_size=5, num_workers=2)
+        loader = DataLoader(ShardedIterable(range(103)), batch_size=5, num_workers=2,
+                            multiprocessing_context=context)
         return [i for batch in loader for i in batch.tolist()]
 
     per_rank = run_distributed(load, 2)

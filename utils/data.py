@@ -78,7 +78,8 @@ class ShardedIterable(IterableDataset):
 
     Worker ``w`` of rank ``r`` (of ``R`` ranks with ``W`` workers each) keeps the elements at
     positions ``g, g + R*W, g + 2*R*W, ...`` with ``g = r*W + w``. ``rank`` and ``world_size``
-    default to the process group's, or to a single process when there is none. Every worker
+    default to the process group's (read when the data set is pickled for a spawned worker, which
+    has no process group), or to a single process when there is none. Every worker
     reads (and skips) the whole stream, which is the price of sharding a stream without an index.
     """
 
@@ -103,8 +104,10 @@ class ShardedIterable(IterableDataset):
             rank = check_rank(rank, world_size)
         self.rank, self.world_size = rank, world_size
 
-    def shard(self, rank: int, world_size: int, worker_id: int = 0, num_workers: int = 0) -> Iterator:
-        """The elements worker ``worker_id`` of ``num_workers`` on rank ``rank`` of ``world_size`` yields."""
+    def shard(
+        self, rank: int, world_size: int, worker_id: int = 0, num_workers: int = 0
+    ) -> Iterator:
+        """The elements worker ``worker_id`` of ``num_workers`` on ``rank`` yields."""
         start, step = global_worker(rank, world_size, worker_id, num_workers)
         stream = iter(self.source) if hasattr(self.source, "__iter__") else self.source()
         return itertools.islice(stream, start, None, step)
@@ -119,6 +122,14 @@ class ShardedIterable(IterableDataset):
         info = get_worker_info()
         worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 0)
         return self.shard(rank, world_size, worker_id, num_workers)
+
+    def __getstate__(self) -> dict:
+        # Pickled for a worker started with spawn or forkserver: that process has no process
+        # group, so record this rank's place in it now, while still in the rank's own process.
+        state = self.__dict__.copy()
+        if state["world_size"] is None and dist.is_available() and dist.is_initialized():
+            state["rank"], state["world_size"] = dist.get_rank(), dist.get_world_size()
+        return state
 
 
 # --- CIFAR-10, real or generated in CIFAR-10's own on-disk format ---------------------------------

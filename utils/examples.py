@@ -1,0 +1,217 @@
+"""Small data sets the chapters load through DataLoader workers; they live in a module because workers started with spawn must import them.
+
+A worker started with ``spawn`` (the default on macOS and Windows) or ``forkserver``
+(Linux from Python 3.14) is a fresh interpreter: it receives the data set pickled *by
+reference to its class* and imports the class's module to rebuild it. A class defined in
+a notebook lives in ``__main__``, which the worker does not have, so the chapters define
+these here and show their source with ``utils.show_source``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import random
+import sys
+import tempfile
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from .seeding import sample_generator
+
+__all__ = [
+    "CustomDataset",
+    "WhoLoaded",
+    "SCALE",
+    "WhatWorkersSee",
+    "report_worker_start",
+    "worker_stderr",
+    "WorkerSeeds",
+    "CropOffsets",
+    "CropOffsetsFixed",
+    "TorchCrop",
+    "article_worker_init_fn",
+    "AugmentedSamples",
+    "SeedRecorder",
+    "PyRandomCrop",
+    "Numbers",
+    "ShardByWorker",
+    "ShardByRank",
+]
+
+
+# --- chapter 3: set_epoch -------------------------------------------------------------
+
+class CustomDataset(Dataset):
+    def __init__(self, length):
+        self.len = length
+        self.data = torch.arange(1, 17)
+
+    def __getitem__(self, index):
+        return self.data[index]
+
+    def __len__(self):
+        return self.len
+
+
+# --- chapter 5: workers, start methods and seeding ------------------------------------
+
+class WhoLoaded(Dataset):
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, index):
+        info = get_worker_info()
+        return index, -1 if info is None else info.id
+
+
+SCALE = 1  # a module-level setting; chapter 5 changes it at run time
+
+
+class WhatWorkersSee(Dataset):
+    def __init__(self):
+        self.scale = SCALE   # an attribute: pickled with the data set
+        self.at_start = {}   # filled in by report_worker_start, in the worker's copy
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, index):
+        return {"module SCALE": SCALE, "dataset.scale": self.scale, **self.at_start}
+
+
+def report_worker_start(worker_id):
+    info = get_worker_info()
+    info.dataset.at_start = {
+        "worker_id": worker_id,
+        "torch seed = info.seed": torch.initial_seed() == info.seed,
+        "process group": dist.is_available() and dist.is_initialized(),
+    }
+
+
+@contextlib.contextmanager
+def worker_stderr() -> Iterator[io.StringIO]:
+    """Collect what processes started in the block write to their stderr (descriptor 2).
+
+    A worker that dies while it starts prints its traceback there, outside Python's
+    ``sys.stderr``; chapter 5 shows its last line instead of a page of paths.
+    """
+    collected = io.StringIO()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield collected
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            collected.write(sink.read().decode("utf-8", "replace"))
+
+
+class WorkerSeeds(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        info = get_worker_info()
+        return info.id, torch.initial_seed(), info.seed, int(np.random.randint(2**31))
+
+
+class CropOffsets(Dataset):
+    """Sample i is (i, a random crop offset); the mistake: an RNG made in __init__."""
+
+    def __init__(self, n=64):
+        self.n = n
+        self.rng = np.random.default_rng(0)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        return index, int(self.rng.integers(0, 1_000_000))
+
+
+class CropOffsetsFixed(CropOffsets):
+    def reseed(self, seed):
+        self.rng = np.random.default_rng(seed)
+
+
+class TorchCrop(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        return index, int(torch.randint(0, 1_000_000, ()))
+
+
+def article_worker_init_fn(worker_id):
+    torch.manual_seed(42 + worker_id)   # the article's code
+
+
+class AugmentedSamples(Dataset):
+    def __init__(self, augment):
+        self.augment, self.epoch = augment, 0
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, index):
+        if self.augment == "worker_rng":     # draw from the worker's torch generator
+            return index, int(torch.randint(0, 1_000_000, ()))
+        # draw from a generator keyed by (seed, epoch, index)
+        g = sample_generator(0, self.epoch, index)
+        return index, int(torch.randint(0, 1_000_000, (), generator=g))
+
+
+class SeedRecorder(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return torch.initial_seed()
+
+
+class PyRandomCrop(Dataset):
+    def __init__(self):
+        self.rng = random.Random(0)
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        return index, self.rng.randrange(1_000_000)
+
+
+# --- chapter 6: IterableDataset -------------------------------------------------------
+
+class Numbers(IterableDataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+class ShardByWorker(Numbers):
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        return iter(range(worker, self.n, workers))
+
+
+class ShardByRank(Numbers):
+    def __init__(self, n):
+        super().__init__(n)
+        # Read here, in the rank's own process: a spawned worker has no process group.
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def __iter__(self):
+        return iter(range(self.rank, self.n, self.world_size))
