@@ -18,21 +18,21 @@ __all__ = ["collective_device", "group_device_types"]
 
 
 def group_device_types(group=None) -> list[str]:
-    """The device types ``group`` (default: the default group) can run collectives on, e.g. ``['cpu']``."""
+    """The device types ``group`` (default: the default group) runs collectives on."""
     group = group if group is not None else dist.group.WORLD
-    devices = getattr(group, "_device_types", None)  # torch >= 2.2 registers one backend per device type
+    devices = getattr(group, "_device_types", None)  # torch >= 2.2: a backend per device type
     if devices is not None:
         return [torch.device(d).type for d in devices]
-    backend = str(dist.get_backend(group))  # older torch: "gloo", "nccl" or "cpu:gloo,cuda:nccl"
+    backend = str(dist.get_backend(group))  # older: "gloo", "nccl" or "cpu:gloo,cuda:nccl"
     if ":" in backend:
         return [part.split(":")[0] for part in backend.split(",")]
     return ["cuda"] if backend == "nccl" else ["cpu"]
 
 
 def collective_device(group=None) -> torch.device:
-    """The device for the tensors of a collective on ``group``: see the module docstring."""
+    """The device for a collective's tensors on ``group`` (see the module docstring)."""
     if group is None and not (dist.is_available() and dist.is_initialized()):
-        return torch.device("cpu")  # no process group: the "collective" is the identity, on the CPU
+        return torch.device("cpu")  # no process group: nothing to move anywhere
     types = group_device_types(group)
     if not types or "cpu" in types:
         return torch.device("cpu")
