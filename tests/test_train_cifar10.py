@@ -108,6 +108,18 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_exactly_as_an_uninterrupted
     assert max_diff(final_params(two_ranks), final_params(str(tmp_path))) == 0.0
 
 
+def test_with_three_ranks_a_restart_is_bit_identical_under_deterministic(data, tmp_path):
+    """Over 3 ranks the order of a gradient sum matters in the last bits; DDP's regrouping of its
+    buckets after the first step made a restarted run differ (by 1.5e-8 here) until --deterministic
+    kept the buckets fixed."""
+    three = [*COMMON, "--global-batch", "96", "--checkpoint-every", "2", "--deterministic"]
+    ok(torchrun("--data", data, "--out", str(tmp_path / "clean"), *three, nproc=3))
+    done = ok(torchrun("--data", data, "--out", str(tmp_path / "killed"), "--resume", "--fail-at-step", "3", *three,
+                       nproc=3, extra=["--max-restarts=1"]))
+    assert "epoch 0, step 2 of the epoch" in done.stdout
+    assert max_diff(final_params(str(tmp_path / "clean")), final_params(str(tmp_path / "killed"))) == 0.0
+
+
 @pytest.mark.parametrize("nproc", [1, 4])
 def test_a_run_stopped_on_two_processes_resumes_exactly_on_another_number(data, two_ranks, stopped_on_two,
                                                                           tmp_path, nproc):
@@ -221,3 +233,64 @@ def test_the_global_batch_must_split_evenly():
     with pytest.raises(SystemExit, match=r"--global-batch 100 does not split evenly over 3 processes; "
                                          r"use a multiple of 3 \(e.g. 99 or 102\)"):
         per_process_batch(100, 3)
+
+
+ATTEMPT = """
+import torch, torch.distributed as dist
+from utils.train_cifar10 import init_process_group
+init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+print("attempt", __import__("os").environ["TRAIN_CIFAR10_ATTEMPT"], "sum", int(t))
+dist.destroy_process_group()
+"""
+
+
+def test_restarted_ranks_agree_on_the_attempt_when_only_one_node_counted_a_restart():
+    """torchrun's agents count restarts per node: after a failure on node 1, its ranks see
+    TORCHELASTIC_RESTART_COUNT=1 while node 0's see 0. On main they used different store prefixes
+    (and node 0's read the dead attempt's keys): the restarted group never formed."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    agent_store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=60), wait_for_workers=False)
+
+    def attempt(restart_counts):
+        procs = [subprocess.Popen([sys.executable, "-c", ATTEMPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env={**ENV, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                                  "MASTER_PORT": str(agent_store.port),
+                                                  "TORCHELASTIC_USE_AGENT_STORE": "True",
+                                                  "TORCHELASTIC_RESTART_COUNT": str(count)})
+                 for r, count in enumerate(restart_counts)]
+        try:
+            outs = [p.communicate(timeout=60) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        return [p.returncode for p in procs], [o for o, _ in outs], [e[-1500:] for _, e in outs]
+
+    codes, outs, errs = attempt([0, 0])
+    assert codes == [0, 0], errs
+    codes, outs, errs = attempt([0, 1])  # node 1 counted a restart, node 0 did not
+    assert codes == [0, 0], errs
+    assert [o.strip() for o in outs] == ["attempt 1 sum 2"] * 2
+
+
+def test_nodes_whose_data_differ_stop_with_a_message_instead_of_hanging(tmp_path):
+    sizes = [["512", "256"], ["640", "256"]]  # node 1 holds a stale copy of another size
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+               f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}",
+               "-m", "utils.train_cifar10", "--data", str(tmp_path / f"node{node}"), "--synthetic",
+               "--synthetic-size", *sizes[node], "--out", str(tmp_path / f"out{node}"), *COMMON]
+        procs.append(subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode != 0 for p in procs)
+    assert "error: the data differs between ranks 0 and [1]" in outs[0][1] + outs[1][1]

@@ -63,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--amp", action="store_true", help="bf16 autocast (CUDA only)")
     p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across GPUs (CUDA only)")
     p.add_argument("--deterministic", action="store_true",
-                   help="deterministic algorithms only (bit-identical reruns on a GPU; slower)")
+                   help="deterministic algorithms and fixed DDP buckets: bit-identical restarts (slower)")
     p.add_argument("--out", default="runs/cifar10", help="folder for metrics.jsonl and checkpoints")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: at epoch ends)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt if rank 0 finds it")
@@ -103,16 +103,19 @@ def per_process_batch(global_batch: int, world_size: int) -> int:
 
 
 def init_process_group(backend: str, device: torch.device | None = None) -> None:
-    """``init_process_group`` from torchrun's variables, with a store prefix per restart attempt.
+    """``init_process_group`` from torchrun's variables, with a store prefix per attempt.
 
     torchrun (2.14) keeps its key-value store across restarts, and without a fresh prefix the
-    restarted ranks read the addresses of the processes that died and wait to connect to them
-    (chapter 10 shows it). A prefix with ``TORCHELASTIC_RESTART_COUNT`` gives every attempt its own keys.
+    restarted ranks read the addresses of the processes that died and try to connect to them
+    (chapter 10 shows it). ``TORCHELASTIC_RESTART_COUNT`` cannot name the attempt on several nodes:
+    only the agent whose worker failed counts a restart. So the attempt is counted in the store
+    itself: every process adds 1 to a counter, and processes ``k*W+1 .. (k+1)*W`` are attempt ``k``.
     """
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0  # else torchrun's agent does
+    hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0  # else the agent's
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, hosts_store)
+    attempt = (store.add("train_cifar10/processes_started", 1) - 1) // world_size
+    os.environ["TRAIN_CIFAR10_ATTEMPT"] = str(attempt)  # 0 in the first attempt, on every node
     extra = {"device_id": device} if backend == "nccl" else {}  # binds this rank's GPU: barriers use it
     dist.init_process_group(backend, store=dist.PrefixStore(f"train_cifar10/attempt_{attempt}", store),
                             rank=rank, world_size=world_size, **extra)
@@ -154,6 +157,27 @@ def prepare_data(args, local_rank: int, ddp: bool) -> None:
             write_synthetic_cifar10(args.data, *args.synthetic_size, seed=args.seed)
     if ddp:
         dist.barrier()  # every node's local rank 0 has prepared its copy
+
+
+def check_same_data(train_set, test_set, synthetic: bool, ddp: bool) -> None:
+    """Stop every rank with a message if the nodes' copies of the data differ.
+
+    A node-local ``--data`` may hold leftovers (another ``--synthetic-size``, or the real data on one
+    node and the stand-in on another); different lengths would give ranks different numbers of
+    steps, and a hang at the first collective one rank does not reach.
+    """
+    if not ddp:
+        return
+    fingerprint = [len(train_set), len(test_set), int(synthetic), int(train_set.data[:: max(1, len(train_set) // 97)].sum()),
+                   int(sum(train_set.targets))]
+    mine = torch.tensor(fingerprint, dtype=torch.int64, device=collective_device())
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    differ = [r for r, other in enumerate(everyone) if not torch.equal(other, everyone[0])]
+    if differ:
+        raise SystemExit(f"error: the data differs between ranks 0 and {differ} (train images, test images, synthetic, "
+                         f"checksums: {everyone[0].tolist()} against {everyone[differ[0]].tolist()}); give every node "
+                         "the same --data (or remove a node's stale copy)")
 
 
 # --- models -------------------------------------------------------------------------------------
@@ -362,6 +386,7 @@ def main(argv=None) -> None:
     synthetic = is_synthetic_cifar10(args.data)
     train_set = KeyedAugment(load_cifar10(args.data, train=True), args.seed, train=True)
     test_set = KeyedAugment(load_cifar10(args.data, train=False), args.seed, train=False)
+    check_same_data(train_set, test_set, synthetic, ddp)
     steps_per_epoch = len(train_set) // args.global_batch  # whole global batches: the same on any world size
     if steps_per_epoch == 0:
         raise SystemExit(f"error: {len(train_set)} training images is less than one global batch of {args.global_batch}")
@@ -369,20 +394,24 @@ def main(argv=None) -> None:
     loader_kwargs = dict(num_workers=args.workers, pin_memory=cuda, persistent_workers=args.workers > 0)
     train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True, **loader_kwargs)
     test_loader = DataLoader(test_set, batch_size=512, sampler=EvalShardSampler(test_set, world_size, rank),
-                             **loader_kwargs)
+                             **{**loader_kwargs, "num_workers": min(args.workers, 2),
+                                "persistent_workers": args.workers > 0})  # a small set: 2 workers do
 
     # --- model, optimizer, schedule; then the checkpoint, if any, before the DDP wrap ---
     torch.manual_seed(args.seed)  # one seed where ranks must agree: the initial weights
     model = make_model(args.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay, nesterov=True)
+    # cycle_momentum=False: OneCycleLR would otherwise overwrite --momentum with its own 0.85-0.95 cycle
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.epochs * steps_per_epoch,
-                                                    pct_start=0.25)
+                                                    pct_start=0.25, cycle_momentum=False)
     os.makedirs(args.out, exist_ok=True)
     ckpt_path = os.path.join(args.out, CHECKPOINT)
     config = run_config(args, len(train_set))
     epoch, step_in_epoch, step = 0, 0, 0
     state = agree_on_resume(ckpt_path, config, rank, ddp) if args.resume else None
+    if args.resume and state is None and master:
+        print(f"--resume: rank 0 found no checkpoint at {ckpt_path}; starting from step 0", flush=True)
     if state is not None:
         model.load_state_dict(state["model"])
         epoch, step_in_epoch, step = state["epoch"], state["step_in_epoch"], state["step"]
@@ -396,7 +425,12 @@ def main(argv=None) -> None:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     raw_model = model
     if ddp:
-        model = DDP(model, device_ids=[local_rank] if cuda else None)
+        # DDP regroups gradients into new buckets after its first step, so a restarted process's
+        # first step would sum them over 3 or more ranks in another order than the uninterrupted
+        # run did, and differ in the last bits. DDP does not regroup when it looks for unused
+        # parameters: --deterministic pays that (a graph traversal per step) for exact restarts.
+        fixed_buckets = {"find_unused_parameters": True} if args.deterministic else {}
+        model = DDP(model, device_ids=[local_rank] if cuda else None, **fixed_buckets)
 
     def checkpoint():
         if master:
@@ -407,13 +441,13 @@ def main(argv=None) -> None:
         if ddp:
             dist.barrier()  # nobody runs ahead of a checkpoint that may be needed to restart them
 
-    metrics = open(os.path.join(args.out, "metrics.jsonl"), "a" if step else "w") if master else None
+    metrics = open(os.path.join(args.out, "metrics.jsonl"), "a" if args.resume else "w") if master else None
     if master:
         print(f"{'synthetic' if synthetic else 'real'} CIFAR-10 in {args.data}: {len(train_set)} train, "
               f"{len(test_set)} test images; {world_size} process(es), {device.type}, "
               f"{dist.get_backend() if ddp else 'no process group'}; "
               f"global batch {args.global_batch} = {batch_size} x {world_size}", flush=True)
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    restarts = int(os.environ.get("TRAIN_CIFAR10_ATTEMPT", 0))
 
     # --- the loop ---
     while epoch < args.epochs:
@@ -470,7 +504,8 @@ def main(argv=None) -> None:
     if master:
         metrics.close()
         if epoch == args.epochs:
-            torch.save(raw_model.state_dict(), os.path.join(args.out, "model_final.pt"))
+            final = {k: v.cpu() for k, v in raw_model.state_dict().items()}  # loads anywhere, GPU or not
+            torch.save(final, os.path.join(args.out, "model_final.pt"))
     if ddp:
         dist.destroy_process_group()
 
