@@ -89,7 +89,7 @@ def two_ranks(data, tmp_path_factory):
 def stopped_on_two(data, tmp_path_factory):
     """A run on 2 processes that stopped at step 6 of 16 (mid-epoch), leaving its checkpoint."""
     out = str(tmp_path_factory.mktemp("stopped"))
-    done = ok(torchrun("--data", data, "--out", out, "--stop-at-step", "6", *COMMON))
+    ok(torchrun("--data", data, "--out", out, "--stop-at-step", "6", *COMMON))
     assert not os.path.exists(os.path.join(out, "model_final.pt"))
     return out
 
