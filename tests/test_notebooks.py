@@ -30,3 +30,18 @@ def test_chapter_rules(path):
     assert len(exempt) <= 0.15 * len(code), "at most 15% of code cells exempt from comparison"
     assert all("assert" in c.source for c in exempt), "an exempt cell asserts its claim"
     assert f"notebooks/{path.stem}" in (ROOT / "_toc.yml").read_text(), "listed in _toc.yml"
+
+
+# Code that starts processes whose start method follows the platform's (DataLoader workers,
+# torchrun's workers, multiprocessing): such a chapter must be in the Makefile's spawn pass.
+STARTS_PROCESSES = re.compile(r"num_workers=(?!0\b)|--workers|multiprocessing|torch\.distributed\.run")
+
+
+def test_every_chapter_that_starts_worker_processes_is_in_the_spawn_pass():
+    makefile = (ROOT / "Makefile").read_text()
+    listed = set(re.search(r"^SPAWN_NOTEBOOKS\s*:=(.*)$", makefile, re.M).group(1).split())
+    starting = {p.stem for p in NOTEBOOKS
+                if STARTS_PROCESSES.search("\n".join(c.source for c in nbformat.read(p, as_version=4).cells
+                                                    if c.cell_type == "code"))}
+    assert starting <= listed, f"add {sorted(starting - listed)} to SPAWN_NOTEBOOKS in the Makefile"
+    assert {"03_set_epoch", "05_workers_seeding", "10_cifar10_ddp"} <= starting  # the pattern still finds them
