@@ -18,7 +18,7 @@ book: $(STAMP)
 	$(BIN)/jupyter-book build . --path-output . -W -n --keep-going
 
 ## make test: the utils tests, then every notebook re-executed and compared strictly by nbval,
-## twice: with this platform's start method, and with `spawn` forced (as on macOS and Windows)
+## then again, with `spawn` forced (as on macOS and Windows), the chapters that start workers
 test: test-utils test-notebooks test-notebooks-spawn
 
 test-utils: $(STAMP)
