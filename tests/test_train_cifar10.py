@@ -299,3 +299,44 @@ def test_nodes_whose_data_differ_stop_with_a_message_instead_of_hanging(tmp_path
             p.kill()
     assert all(p.returncode != 0 for p in procs)
     assert "error: the data differs between ranks 0 and [1]" in outs[0][1] + outs[1][1]
+
+
+def _bn_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 3))
+
+
+def _evaluate_with_rank_1_buffers_shifted(images, labels):
+    """Each rank: rank 0's model, except that rank 1's BatchNorm running statistics differ, as they
+    do after a training step without --sync-bn. Returns evaluate()'s accuracy on this rank."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from utils.metrics import EvalShardSampler
+    from utils.train_cifar10 import evaluate
+
+    model = _bn_model()
+    if dist.get_rank() == 1:
+        model[1].running_mean += 2.0
+        model[1].running_var *= 0.1
+    test_set = TensorDataset(images, labels)
+    loader = DataLoader(test_set, batch_size=8, sampler=EvalShardSampler(test_set, 2, dist.get_rank()))
+    return evaluate(model, loader, torch.device("cpu"))
+
+
+def test_the_exact_evaluation_scores_rank_0s_model_even_when_the_ranks_buffers_differ():
+    """Before the fix each rank scored its shard on its own buffers: a mixture of two models."""
+    from utils.launch import run_distributed
+
+    images = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
+    model = _bn_model().eval()
+    with torch.no_grad():
+        labels = model(images).argmax(1)  # rank 0's model scores 1.0 on this set
+        shifted = _bn_model()
+        shifted[1].running_mean += 2.0
+        shifted[1].running_var *= 0.1
+        mixture = torch.cat([model(images[0::2]).argmax(1) == labels[0::2],
+                             shifted.eval()(images[1::2]).argmax(1) == labels[1::2]]).float().mean()
+    assert float(mixture) < 0.9  # what evaluating each shard on its own rank's buffers gave
+    assert run_distributed(_evaluate_with_rank_1_buffers_shifted, 2, images, labels, timeout=120) == [1.0, 1.0]

@@ -67,7 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/cifar10", help="folder for metrics.jsonl and checkpoints")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: at epoch ends)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt if rank 0 finds it")
-    p.add_argument("--fail-at-step", type=int, default=-1, help="(testing) the last rank dies at this step, once")
+    p.add_argument("--fail-at-step", type=int, default=-1,
+                   help="(testing) the last rank dies at the start of this step (from 1), once: no rank completes it")
     p.add_argument("--stop-at-step", type=int, default=-1,
                    help="stop after this step with a checkpoint, as a job whose time is up (resume with --resume)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
@@ -100,6 +101,25 @@ def per_process_batch(global_batch: int, world_size: int) -> int:
         raise SystemExit(f"error: --global-batch {global_batch} does not split evenly over {world_size} processes; "
                          f"use a multiple of {world_size} (e.g. {nearest})")
     return global_batch // world_size
+
+
+def eval_workers(workers: int) -> int:
+    """DataLoader workers of the test loader: at most 2 (a small set), persistent like the training ones.
+
+    They sit idle while the training workers run, but they are processes: a node runs
+    ``processes per node x (1 + workers + eval_workers(workers))`` of them (chapter 10's CPU budget).
+    """
+    return min(workers, 2)
+
+
+def one_cycle(optimizer: torch.optim.Optimizer, peak_lr: float, total_steps: int):
+    """The schedule: warm-up from ``peak_lr / 25`` to ``peak_lr`` over the first quarter, then down to ~0.
+
+    ``--lr`` is the peak for ``--global-batch``, whatever the number of processes (chapter 4).
+    cycle_momentum=False: OneCycleLR would otherwise overwrite --momentum with its own 0.85-0.95 cycle.
+    """
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=peak_lr, total_steps=total_steps,
+                                               pct_start=0.25, cycle_momentum=False)
 
 
 def init_process_group(backend: str, device: torch.device | None = None) -> None:
@@ -352,7 +372,15 @@ def agree_on_resume(path: str, config: dict, rank: int, ddp: bool) -> dict | Non
 # --- training -----------------------------------------------------------------------------------
 
 def evaluate(model: nn.Module, loader, device) -> float:
-    """Exact test accuracy: uneven shards, no padding, one all-reduce after the loop (chapter 8)."""
+    """Exact test accuracy of one model, rank 0's: uneven shards, no padding, one all-reduce (chapter 8).
+
+    Every rank first takes rank 0's buffers (BatchNorm's running statistics). Without --sync-bn each
+    rank's buffers follow its own last batch, so scoring each shard on its own rank's buffers would
+    score a mixture of models, none of them the one rank 0 saves.
+    """
+    if dist.is_available() and dist.is_initialized():
+        for buffer in model.buffers():  # on the model's device: the group's device (one GPU per rank)
+            dist.broadcast(buffer, src=0)
     model.eval()
     correct = count = 0
     with torch.no_grad():
@@ -394,17 +422,14 @@ def main(argv=None) -> None:
     loader_kwargs = dict(num_workers=args.workers, pin_memory=cuda, persistent_workers=args.workers > 0)
     train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True, **loader_kwargs)
     test_loader = DataLoader(test_set, batch_size=512, sampler=EvalShardSampler(test_set, world_size, rank),
-                             **{**loader_kwargs, "num_workers": min(args.workers, 2),
-                                "persistent_workers": args.workers > 0})  # a small set: 2 workers do
+                             **{**loader_kwargs, "num_workers": eval_workers(args.workers)})
 
     # --- model, optimizer, schedule; then the checkpoint, if any, before the DDP wrap ---
     torch.manual_seed(args.seed)  # one seed where ranks must agree: the initial weights
     model = make_model(args.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay, nesterov=True)
-    # cycle_momentum=False: OneCycleLR would otherwise overwrite --momentum with its own 0.85-0.95 cycle
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.epochs * steps_per_epoch,
-                                                    pct_start=0.25, cycle_momentum=False)
+    scheduler = one_cycle(optimizer, args.lr, args.epochs * steps_per_epoch)
     os.makedirs(args.out, exist_ok=True)
     ckpt_path = os.path.join(args.out, CHECKPOINT)
     config = run_config(args, len(train_set))
@@ -459,6 +484,8 @@ def main(argv=None) -> None:
                        file=sys.stdout, mininterval=1.0)
         t0, seen, loss_sum, steps_run = time.perf_counter(), 0, 0.0, 0
         for x, y in train_loader:
+            if step + 1 == args.fail_at_step and rank == world_size - 1 and restarts == 0:
+                os._exit(1)  # a crash during this step, for the fault-tolerance test: no cleanup
             # a seed per rank and step where ranks must differ (dropout, if a model had it), also after a resume
             seed_everything(derive_seed(args.seed, step), rank)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -474,8 +501,6 @@ def main(argv=None) -> None:
             if bar is not None:
                 bar.set_postfix(loss=f"{loss.item():.3f}", img_s=f"{seen / (time.perf_counter() - t0):.0f}")
                 bar.update(1)
-            if step == args.fail_at_step and rank == world_size - 1 and restarts == 0:
-                os._exit(1)  # a crash, for the fault-tolerance test: no cleanup, no checkpoint
             if args.checkpoint_every and step % args.checkpoint_every == 0 and step_in_epoch < steps_per_epoch:
                 checkpoint()
             if step == args.stop_at_step:
