@@ -6,6 +6,7 @@ could not do for a class defined in a notebook.
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, SequentialSampler
@@ -107,3 +108,51 @@ def test_shard_by_rank_reads_the_rank_in_init():
         return ds.rank, ds.world_size, list(ds)
 
     assert run_distributed(ranks, 2) == [(0, 2, [0, 2, 4, 6, 8]), (1, 2, [1, 3, 5, 7, 9])]
+
+
+def test_worker_pid_counts_one_process_per_worker():
+    pids = {int(p) for _, b in DataLoader(examples.WorkerPid(), batch_size=2, **SPAWN) for p in b}
+    assert len(pids) == 2
+
+
+@pytest.mark.parametrize("context, pickled, tensor", [("spawn", 2, [0, 7, 7, 0]), ("fork", 0, [0] * 4)])
+def test_copied_or_shared_spawn_pickles_per_worker(context, pickled, tensor):
+    if context not in torch.multiprocessing.get_all_start_methods():
+        pytest.skip(f"{context} is not available here")
+    ds = examples.CopiedOrShared(megabytes=1)
+    examples.CopiedOrShared.pickled = 0
+    seen = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context))
+    assert examples.CopiedOrShared.pickled == pickled
+    assert seen == [[0, 7, 0, 0], [0, 0, 7, 0]]       # each worker sees only its own write
+    assert ds.array[:4].tolist() == [0] * 4             # the parent's array is never written
+    assert ds.tensor.tolist() == tensor                 # torch's pickler shares tensors
+
+
+def test_tutorial_seed_worker_cuts_numpys_seed_to_32_bits():
+    loader = DataLoader(examples.WorkerSeeds(), batch_size=None, worker_init_fn=examples.tutorial_seed_worker,
+                        generator=torch.Generator().manual_seed(0), **SPAWN)
+    firsts = {}
+    for worker, seed, _, draw in loader:
+        firsts.setdefault(worker, (seed, draw))  # each worker's first draw
+    for seed, draw in firsts.values():
+        np.random.seed(seed % 2**32)
+        assert draw == np.random.randint(2**31)
+
+
+def test_epoch_keyed_takes_epoch_index_pairs():
+    ds = examples.EpochKeyed()
+    assert ds[(1, 3)] != ds[(0, 3)] and ds[(1, 3)][0] == 3
+    keyed = examples.AugmentedSamples("keyed")
+    keyed.epoch = 1
+    assert ds[(1, 3)] == keyed[3]
+
+
+def test_split_range_per_worker_in_ranks_with_spawned_workers():
+    def batches():
+        stream = examples.RangeStream(0, 20)
+        loader = DataLoader(stream, batch_size=5, worker_init_fn=examples.split_range_per_worker, **SPAWN)
+        return [b.tolist() for b in loader], (stream.start, stream.end)
+
+    per_rank = run_distributed(batches, 2)
+    assert per_rank[0] == ([list(range(0, 5)), list(range(5, 10))], (0, 20))
+    assert per_rank[1] == ([list(range(10, 15)), list(range(15, 20))], (0, 20))

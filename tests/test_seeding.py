@@ -77,5 +77,30 @@ def test_sample_generator_is_keyed():
     assert draw(0, 1, 5) != draw(0, 2, 5) != draw(0, 1, 6)
 
 
-def test_seed_worker_outside_a_worker_is_harmless():
-    seed_worker(0)  # no worker info: only random and numpy are seeded
+def test_seed_worker_outside_a_worker_changes_nothing():
+    np.random.seed(5)
+    random.seed(5)
+    seed_worker(0)  # no worker info: nothing to re-seed
+    after = random.random(), float(np.random.rand())
+    np.random.seed(5)
+    random.seed(5)
+    assert after == (random.random(), float(np.random.rand()))
+
+
+class GlobalDraws(Dataset):
+    """What a worker's random, NumPy and torch global generators draw first."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+
+def test_seed_worker_keeps_torchs_per_worker_seeding_of_random_and_numpy():
+    def draws(**kwargs):
+        loader = DataLoader(GlobalDraws(), batch_size=None, num_workers=2,
+                            generator=torch.Generator().manual_seed(0), **kwargs)
+        return list(loader)
+
+    assert draws(worker_init_fn=seed_worker) == draws()

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from .data import global_worker
 from .seeding import sample_generator
 
 __all__ = [
@@ -215,3 +216,80 @@ class ShardByRank(Numbers):
 
     def __iter__(self):
         return iter(range(self.rank, self.n, self.world_size))
+
+
+# --- chapter 5: worker processes per job, what spawn copies, epochs in keys ------------
+
+class WorkerPid(Dataset):
+    """Sample i is (i, the id of the process that loaded it)."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return index, os.getpid()
+
+
+class CopiedOrShared(Dataset):
+    """Counts how often it is pickled; each worker writes into its NumPy array and its tensor."""
+
+    pickled = 0   # a class attribute, counted in the process that pickles
+
+    def __init__(self, megabytes=8):
+        self.array = np.zeros(megabytes * 2**20 // 8, dtype=np.int64)
+        self.tensor = torch.zeros(4, dtype=torch.int64)
+
+    def __getstate__(self):
+        type(self).pickled += 1
+        return self.__dict__
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        worker = get_worker_info().id
+        self.array[worker + 1] = self.tensor[worker + 1] = 7   # write into this worker's copy
+        return self.array[:4].tolist()                        # what this worker's copy holds
+
+
+def tutorial_seed_worker(worker_id):
+    worker_seed = torch.initial_seed() % 2**32   # the tutorial's code [S1]
+    np.random.seed(worker_seed)
+    random.seed(worker_seed)
+
+
+class EpochKeyed(AugmentedSamples):
+    """AugmentedSamples whose indices arrive as (epoch, index) pairs from the sampler."""
+
+    def __init__(self):
+        super().__init__("keyed")
+
+    def __getitem__(self, key):
+        epoch, index = key   # the epoch travels with the index, to whichever worker
+        g = sample_generator(0, epoch, index)
+        return index, int(torch.randint(0, 1_000_000, (), generator=g))
+
+
+# --- chapter 6: configuring each worker's copy in worker_init_fn ----------------------
+
+class RangeStream(IterableDataset):
+    """Yields start, ..., end - 1; a worker_init_fn may narrow [start, end) in its own copy."""
+
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+        # Read here, in the rank's own process: a spawned worker has no process group.
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world_size = dist.get_world_size() if distributed else 1
+
+    def __iter__(self):
+        return iter(range(self.start, self.end))
+
+
+def split_range_per_worker(worker_id):
+    """worker_init_fn: narrow this worker's copy of a RangeStream to its contiguous share."""
+    info = get_worker_info()
+    stream = info.dataset                                   # this worker's own copy
+    g, total = global_worker(stream.rank, stream.world_size, worker_id, info.num_workers)
+    start, size = stream.start, stream.end - stream.start
+    stream.start, stream.end = start + size * g // total, start + size * (g + 1) // total

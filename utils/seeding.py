@@ -4,9 +4,10 @@ Three rules, each backed by a chapter-5 demonstration:
 
 1. The *sampler's* seed is shared by all ranks (so shards partition the data); the seed of
    everything else (augmentations, dropout) differs per rank: ``seed_everything(seed, rank)``.
-2. DataLoader workers get ``base_seed + worker_id`` from torch; an RNG *object* the data set
-   built before the workers started is copied into every worker and must be re-seeded there:
-   ``worker_init_fn=seed_worker`` does it for data sets with a ``reseed(seed)`` method.
+2. DataLoader workers get ``base_seed + worker_id`` from torch (for torch and ``random``; NumPy
+   gets a 128-bit seed mixed from both); an RNG *object* the data set built before the workers
+   started is copied into every worker and must be re-seeded there: ``worker_init_fn=seed_worker``
+   does it for data sets with a ``reseed(seed)`` method, and leaves torch's seeding alone.
 3. Randomness that must not depend on the number of workers, on ``persistent_workers`` or on a
    restart is drawn from a generator keyed by ``(seed, epoch, index)``: ``sample_generator``.
 """
@@ -54,20 +55,19 @@ def seed_everything(seed: int, rank: int = 0) -> int:
 
 
 def seed_worker(worker_id: int) -> None:
-    """``worker_init_fn``: re-seed ``random``, NumPy and the data set's own RNG from this worker's torch seed.
+    """``worker_init_fn``: re-seed the data set's own RNG object from this worker's torch seed.
 
-    torch already seeds ``random`` and NumPy's global RNG in each worker (since 1.9); what it
-    cannot reach is an RNG object the data set created in ``__init__``, which every worker
-    inherits as an identical copy. If the data set has a ``reseed(seed)`` method, it is called
-    with this worker's seed.
+    torch seeds each worker's ``random`` (with the 64-bit ``base_seed + worker_id``) and
+    NumPy's global RNG (with 128 bits mixed from ``base_seed`` and ``worker_id``) before this
+    runs; re-seeding them from ``torch.initial_seed() % 2**32``, as the popular recipe does,
+    would cut NumPy's seed to 32 bits. What torch cannot reach is an RNG object the data set
+    created in ``__init__``, which every worker inherits as an identical copy: if the data
+    set has a ``reseed(seed)`` method, it is called with this worker's 64-bit seed.
     """
-    worker_seed = torch.initial_seed()  # base_seed + worker_id, set by torch before this runs
-    random.seed(worker_seed)
-    np.random.seed(worker_seed % 2**32)
     info = get_worker_info()
     dataset = getattr(info, "dataset", None)
     if dataset is not None and callable(getattr(dataset, "reseed", None)):
-        dataset.reseed(worker_seed)
+        dataset.reseed(torch.initial_seed())  # base_seed + worker_id, set by torch
 
 
 def loader_seed_kwargs(seed: int, rank: int = 0) -> dict[str, Any]:
