@@ -72,22 +72,59 @@ def bench_sampler(n: int = 10**7, num_replicas: int = 8, repeats: int = 5, seed:
     }
 
 
-def _ddp_step_times(layers: int, width: int, batch: int, steps: int, rounds: int) -> dict:
-    """Runs on every rank: median step time of each wrapper, measured in alternating rounds."""
-    import statistics
-
-    import torch.distributed as dist
-    from torch import nn
+def _ddp_wrappers(make_model, bucket_cap_mb: float) -> dict:
+    """The wrappers the DDP benchmark compares, each around a fresh model."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from .ddp import BucketedDDP, NaiveDDP
 
-    def model():
-        torch.manual_seed(0)
-        return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
+    cap = bucket_cap_mb
+    return {
+        "NaiveDDP": NaiveDDP(make_model()),
+        "BucketedDDP": BucketedDDP(make_model(), bucket_cap_mb=cap),
+        "BucketedDDP, overlap=False": BucketedDDP(make_model(), bucket_cap_mb=cap,
+                                                  overlap=False),
+        "BucketedDDP, one bucket": BucketedDDP(make_model(),
+                                               bucket_cap_mb=float("inf")),
+        "torch DDP": DDP(make_model(), bucket_cap_mb=cap),
+    }
 
-    wrappers = {"NaiveDDP": NaiveDDP(model()), "BucketedDDP": BucketedDDP(model()), "torch DDP": DDP(model())}
-    optimizers = {k: torch.optim.SGD(w.parameters(), lr=1e-3) for k, w in wrappers.items()}
+
+def _torch_ddp_buckets(make_model, bucket_cap_mb: float, x: torch.Tensor) -> int:
+    """Buckets torch's DDP all-reduces per step once it has rebuilt them (step 2 on)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(make_model(), bucket_cap_mb=bucket_cap_mb)
+    calls = []
+
+    def counting_hook(state, bucket):
+        calls.append(bucket.index())
+        return default_hooks.allreduce_hook(None, bucket)
+
+    ddp.register_comm_hook(None, counting_hook)
+    for _ in range(2):
+        calls.clear()
+        ddp(x).square().mean().backward()
+    return len(calls)
+
+
+def _ddp_step_times(layers: int, width: int, batch: int, steps: int, rounds: int,
+                    bucket_cap_mb: float) -> dict:
+    """Runs on every rank: median step time of each wrapper, in alternating rounds."""
+    import statistics
+
+    import torch.distributed as dist
+    from torch import nn
+
+    def make_model():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh())
+                               for _ in range(layers)])
+
+    wrappers = _ddp_wrappers(make_model, bucket_cap_mb)
+    optimizers = {k: torch.optim.SGD(w.parameters(), lr=1e-3)
+                  for k, w in wrappers.items()}
     x = torch.randn(batch, width)
     times = {k: [] for k in wrappers}
 
@@ -96,7 +133,7 @@ def _ddp_step_times(layers: int, width: int, batch: int, steps: int, rounds: int
         wrappers[name](x).square().mean().backward()
         optimizers[name].step()
 
-    for name in wrappers:  # warm-up
+    for name in wrappers:  # warm-up (torch's DDP rebuilds its buckets after step 1)
         for _ in range(3):
             step(name)
     for _ in range(rounds):
@@ -106,27 +143,53 @@ def _ddp_step_times(layers: int, width: int, batch: int, steps: int, rounds: int
             for _ in range(steps):
                 step(name)
             times[name].append((time.perf_counter() - start) / steps)
-    return {k: statistics.median(v) for k, v in times.items()}
+    buckets = {k: len(w.buckets) for k, w in wrappers.items() if hasattr(w, "buckets")}
+    buckets["torch DDP"] = _torch_ddp_buckets(make_model, bucket_cap_mb, x)
+    buckets["NaiveDDP"] = 2 * layers  # one all-reduce per parameter tensor
+    return {"seconds": {k: statistics.median(v) for k, v in times.items()},
+            "rounds": times, "buckets": buckets}
 
 
-def bench_ddp(layers: int = 100, width: int = 64, batch: int = 32, steps: int = 20, rounds: int = 5,
-              world_size: int = 2) -> dict:
-    """Step time of NaiveDDP, BucketedDDP and torch DDP on ``world_size`` CPU ranks, in one run."""
+def bench_ddp(layers: int = 100, width: int = 64, batch: int = 32, steps: int = 20,
+              rounds: int = 5, world_size: int = 2,
+              bucket_cap_mb: float = 0.25) -> dict:
+    """Step time of NaiveDDP, BucketedDDP (overlapped, not overlapped, one bucket)
+    and torch DDP on ``world_size`` CPU ranks, in one run, with buckets of
+    ``bucket_cap_mb``."""
     from .launch import run_distributed
 
-    per_rank = run_distributed(_ddp_step_times, world_size, layers, width, batch, steps, rounds, timeout=600)
+    per_rank = run_distributed(_ddp_step_times, world_size, layers, width, batch, steps,
+                               rounds, bucket_cap_mb, timeout=1200)
     # a step ends when the slowest rank is done: take the slower rank's median
-    seconds = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+    names = list(per_rank[0]["seconds"])
+    seconds = {k: max(r["seconds"][k] for r in per_rank) for k in names}
+    per_round = {k: [max(r["rounds"][k][i] for r in per_rank) for i in range(rounds)]
+                 for k in names}
+    overlap_ratios = [a / b for a, b in zip(per_round["BucketedDDP, overlap=False"],
+                                            per_round["BucketedDDP"])]
+    megabytes = layers * (width * width + width) * 4 / 2**20
     return {
-        "benchmark": "median seconds per training step (forward, backward with gradient sync, SGD step)",
-        "model": f"{layers} x (Linear({width}, {width}) + Tanh): {2 * layers} parameter tensors",
+        "benchmark": "median seconds per training step (forward, backward with "
+                     "gradient sync, SGD step)",
+        "model": f"{layers} x (Linear({width}, {width}) + Tanh): {2 * layers} "
+                 f"parameter tensors, {megabytes:.2f} MiB of gradients",
+        "gradient_mib": round(megabytes, 3),
+        "bucket_cap_mb": bucket_cap_mb,
+        "all_reduces_per_step": per_rank[0]["buckets"],
         "batch_per_rank": batch,
         "world_size": world_size,
         "backend": "gloo",
         "steps_per_round": steps,
         "rounds": rounds,
         "seconds_per_step": {k: round(v, 6) for k, v in seconds.items()},
-        "ratio_to_torch_ddp": {k: round(v / seconds["torch DDP"], 3) for k, v in seconds.items()},
+        "seconds_per_step_each_round": {k: [round(t, 6) for t in v]
+                                        for k, v in per_round.items()},
+        "ratio_to_torch_ddp": {k: round(v / seconds["torch DDP"], 3)
+                               for k, v in seconds.items()},
+        "ratio_overlap_false_to_overlap": round(
+            seconds["BucketedDDP, overlap=False"] / seconds["BucketedDDP"], 3),
+        "ratio_overlap_false_to_overlap_each_round": [round(r, 3)
+                                                      for r in overlap_ratios],
     }
 
 
@@ -178,11 +241,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("what", choices=["sampler", "ddp", "restart"], help="which benchmark to run")
     parser.add_argument("--n", type=int, default=10**7, help="data set size (default 10^7)")
     parser.add_argument("--num-replicas", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="repeats (sampler, restart) or rounds (ddp); default 5")
+    parser.add_argument("--bucket-cap-mb", type=float, default=0.25,
+                        help="ddp: BucketedDDP's and torch DDP's bucket size, MiB "
+                             "(default 0.25)")
     parser.add_argument("--out", help="save the result as JSON here")
     args = parser.parse_args(argv)
     if args.n < 1 or args.num_replicas < 1 or args.repeats < 1:
         parser.error("--n, --num-replicas and --repeats must be at least 1")
+    if not args.bucket_cap_mb > 0:
+        parser.error("--bucket-cap-mb must be positive")
     if args.what == "sampler":
         result = bench_sampler(args.n, args.num_replicas, args.repeats)
         for name, t in result["best_seconds"].items():
@@ -195,9 +264,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{mode:>8}: restarted ranks connected in {c['restarted_ranks_connected']} of {c['runs']} runs, "
                   f"gloo connect errors in {c['gloo_connect_errors']}")
     else:
-        result = bench_ddp()
+        result = bench_ddp(rounds=args.repeats, bucket_cap_mb=args.bucket_cap_mb)
         for name, t in result["seconds_per_step"].items():
-            print(f"{name:>12}: {1000 * t:.2f} ms per step, {result['ratio_to_torch_ddp'][name]:.2f}x torch DDP")
+            print(f"{name:>26}: {1000 * t:7.2f} ms per step, "
+                  f"{result['ratio_to_torch_ddp'][name]:.2f}x torch DDP, "
+                  f"{result['all_reduces_per_step'][name]} all-reduces")
     result["environment"] = environment()
     result["command"] = "python -m utils.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     result["date"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
