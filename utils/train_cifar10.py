@@ -123,22 +123,27 @@ def one_cycle(optimizer: torch.optim.Optimizer, peak_lr: float, total_steps: int
 
 
 def init_process_group(backend: str, device: torch.device | None = None) -> None:
-    """``init_process_group`` from torchrun's variables, with a store prefix per attempt.
+    """``init_process_group`` from torchrun's variables, a store prefix per attempt.
 
-    torchrun (2.14) keeps its key-value store across restarts, and without a fresh prefix the
-    restarted ranks read the addresses of the processes that died and try to connect to them
-    (chapter 10 shows it). ``TORCHELASTIC_RESTART_COUNT`` cannot name the attempt on several nodes:
-    only the agent whose worker failed counts a restart. So the attempt is counted in the store
-    itself: every process adds 1 to a counter, and processes ``k*W+1 .. (k+1)*W`` are attempt ``k``.
+    torchrun (2.14) keeps its key-value store across restarts, and without a fresh
+    prefix the restarted ranks read the addresses of the processes that died and try to
+    connect to them (chapter 10 shows it). ``TORCHELASTIC_RESTART_COUNT`` cannot name
+    the attempt on several nodes: only the agent whose worker failed counts a restart.
+    So the attempt is counted in the store itself: every process adds 1 to a counter,
+    and processes ``k*W+1 .. (k+1)*W`` are attempt ``k``.
     """
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0  # else the agent's
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, hosts_store)
+    # the store is rank 0's to host, unless torchrun's agent hosts it
+    hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size, hosts_store)
     attempt = (store.add("train_cifar10/processes_started", 1) - 1) // world_size
-    os.environ["TRAIN_CIFAR10_ATTEMPT"] = str(attempt)  # 0 in the first attempt, on every node
-    extra = {"device_id": device} if backend == "nccl" else {}  # binds this rank's GPU: barriers use it
-    dist.init_process_group(backend, store=dist.PrefixStore(f"train_cifar10/attempt_{attempt}", store),
-                            rank=rank, world_size=world_size, **extra)
+    os.environ["TRAIN_CIFAR10_ATTEMPT"] = str(attempt)  # 0 in the first, on every node
+    # device_id binds this rank's GPU to the group: barriers use it
+    extra = {"device_id": device} if backend == "nccl" else {}
+    prefixed = dist.PrefixStore(f"train_cifar10/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
+                            **extra)
 
 
 def setup_distributed(device_choice: str) -> tuple[bool, int, int, int, torch.device]:
@@ -296,7 +301,9 @@ class EpochSampler(ShardSampler):
 # --- checkpoints ------------------------------------------------------------------------------
 
 def save_checkpoint(path: str, state: dict) -> None:
-    """Write to a temporary file, flush it to disk, then rename: the old checkpoint survives any crash."""
+    """Write to a temporary file, flush it to disk, then rename it over ``path``.
+
+    The old checkpoint survives a crash at any point."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -372,14 +379,14 @@ def agree_on_resume(path: str, config: dict, rank: int, ddp: bool) -> dict | Non
 # --- training -----------------------------------------------------------------------------------
 
 def evaluate(model: nn.Module, loader, device) -> float:
-    """Exact test accuracy of one model, rank 0's: uneven shards, no padding, one all-reduce (chapter 8).
+    """Exact test accuracy of rank 0's model: uneven shards, no padding (chapter 8).
 
-    Every rank first takes rank 0's buffers (BatchNorm's running statistics). Without --sync-bn each
-    rank's buffers follow its own last batch, so scoring each shard on its own rank's buffers would
-    score a mixture of models, none of them the one rank 0 saves.
+    Every rank first takes rank 0's buffers (BatchNorm's running statistics): without
+    --sync-bn each rank's follow its own last batch, and scoring each shard on its own
+    rank's buffers would score a mixture of models, none of them the one rank 0 saves.
     """
     if dist.is_available() and dist.is_initialized():
-        for buffer in model.buffers():  # on the model's device: the group's device (one GPU per rank)
+        for buffer in model.buffers():  # on the group's device (a GPU per rank)
             dist.broadcast(buffer, src=0)
     model.eval()
     correct = count = 0
