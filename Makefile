@@ -48,7 +48,7 @@ gpu-check: $(STAMP)
 ## make bench: the benchmarks the chapters show from book/results (not timed tests)
 bench: $(STAMP)
 	$(BIN)/python -m utils.bench sampler --out book/results/sampler_bench_cpu.json
-	$(BIN)/python -m utils.bench ddp --out book/results/ddp_step_cpu.json
+	$(BIN)/python -m utils.bench ddp --repeats 9 --out book/results/ddp_step_cpu.json
 	$(BIN)/python -m utils.bench restart --repeats 10 --out book/results/torchrun_restart_cpu.json
 
 clean:
