@@ -5,7 +5,8 @@ from torch.utils.data import DistributedSampler
 
 from utils.audit import audit_shards
 from utils.launch import run_distributed
-from utils.metrics import EvalShardSampler, gather_by_index, sum_over_ranks
+from utils.metrics import (EvalShardSampler, even_batch_shards, gather_by_index,
+                           kept_by_gather_for_metrics, sum_over_ranks)
 
 
 @pytest.mark.parametrize("n, world", [(0, 3), (1, 4), (10, 4), (25, 3), (24, 3)])
@@ -43,3 +44,28 @@ def test_gather_by_index_checks():
     with pytest.raises(ValueError):
         sum_over_ranks()
     assert sum_over_ranks(1, 2.5) == (1.0, 2.5)  # no process group: the local values
+
+
+@pytest.mark.parametrize("n, batch, world", [(0, 8, 4), (30, 8, 4), (33, 8, 4), (40, 8, 4),
+                                             (10, 8, 4), (101, 8, 3), (10_000, 512, 8)])
+def test_even_batch_shards_pad_whole_rounds_and_truncation_restores_the_data_set(n, batch, world):
+    shards = even_batch_shards(n, batch, world)
+    round_size = batch * world
+    assert len({len(s) for s in shards}) == 1 and len(shards[0]) % batch == 0  # equal full batches
+    audit = audit_shards(shards, n)
+    slots = sum(audit.counts)
+    assert slots == -(-n // round_size) * round_size and audit.coverage == 1.0
+    assert sum(c - 1 for c in audit.duplicates.values()) == slots - n < round_size
+    # what accelerate's gather_for_metrics returns: every sample once, in order
+    kept = kept_by_gather_for_metrics(shards, batch, n)
+    assert kept == list(range(n))
+
+
+def test_even_batch_shards_match_accelerate():
+    # accelerate 1.15.0: BatchSamplerShard(BatchSampler(SequentialSampler(range(33)), 8, False),
+    # 4, r, even_batches=True) yields these (read off the library when this test was written)
+    shards = even_batch_shards(33, 8, 4)
+    assert shards[0] == list(range(8)) + [32] + list(range(7))
+    assert shards[3] == list(range(24, 32)) + list(range(23, 31))
+    with pytest.raises(ValueError, match="batch_size"):
+        even_batch_shards(10, 0, 2)
