@@ -324,7 +324,8 @@ class WeightedShardSampler(_EpochSampler):
     def global_draw(self) -> torch.Tensor:
         """The draw of every rank together, in order (the same tensor on every rank)."""
         draws = self.num_samples * self.num_replicas
-        return torch.multinomial(self.weights, draws, self.replacement, generator=self.generator())
+        return torch.multinomial(self.weights, draws, self.replacement,
+                                 generator=self.generator())
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.global_draw()[self.rank::self.num_replicas].tolist())
