@@ -191,3 +191,19 @@ def test_class_balanced_refuses_impossible_requests():
         ClassBalancedBatchSampler([0] * 5 + [1] * 5 + [2], 3, 2, 1, 0)
     with pytest.raises(ValueError, match="fewer than num_replicas=4"):
         ClassBalancedBatchSampler([0] * 4 + [1] * 4, 2, 2, 4, 0)
+
+
+def test_class_balanced_leaves_out_other_samples_in_later_epochs():
+    # chapter 7: one epoch uses 64 of 101 samples; later epochs reshuffle and use the rest
+    y = np.array([0] * 64 + [1] * 21 + [2] * 16)
+    used_per_epoch = []
+    for epoch in range(10):
+        used = set()
+        for r in range(2):
+            s = ClassBalancedBatchSampler(y, 2, 4, num_replicas=2, rank=r, seed=0)
+            s.set_epoch(epoch)
+            used.update(i for batch in s for i in batch)
+        used_per_epoch.append(used)
+    assert all(len(u) == 64 for u in used_per_epoch)
+    assert len({frozenset(u) for u in used_per_epoch}) > 1
+    assert set().union(*used_per_epoch) == set(range(len(y)))
