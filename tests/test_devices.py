@@ -73,12 +73,19 @@ def test_bucket_flags_live_with_the_gradients():
 
 
 def test_sync_batchnorm_statistics_live_with_the_input(monkeypatch):
+    """Every tensor SyncBatchNorm sends to a collective is on the input's device (meta
+    stands in for CUDA): before the fix its count was made on the CPU."""
+    sent = []
+    def all_gather(parts, tensor, *a, **k):
+        sent.append(tensor.device.type)
+        for part in parts:
+            part.copy_(tensor)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *a, **k: None)
+    monkeypatch.setattr(dist, "all_gather", all_gather)
     bn = SyncBatchNorm(3).to("meta")
-    out = bn(torch.empty(4, 3, 2, 2, device="meta"))  # on main: the count is made on the CPU
-    assert out.device.type == "meta"
+    n, mean, m2 = bn._global_moments(torch.empty(4, 3, 2, 2, device="meta"), [0, 2, 3])
+    assert sent == ["meta"] and {n.device.type, mean.device.type, m2.device.type} == {"meta"}
 
 
 def test_a_cuda_only_group_refuses_cpu_tensors_as_nccl_does():
