@@ -39,9 +39,12 @@ STARTS_PROCESSES = re.compile(r"num_workers=(?!0\b)|--workers|multiprocessing|to
 
 def test_every_chapter_that_starts_worker_processes_is_in_the_spawn_pass():
     makefile = (ROOT / "Makefile").read_text()
+    makefile = makefile.replace("\\\n", " ")  # join continued lines
     listed = set(re.search(r"^SPAWN_NOTEBOOKS\s*:=(.*)$", makefile, re.M).group(1).split())
     starting = {p.stem for p in NOTEBOOKS
                 if STARTS_PROCESSES.search("\n".join(c.source for c in nbformat.read(p, as_version=4).cells
                                                     if c.cell_type == "code"))}
+    missing = sorted(n for n in listed if not (ROOT / "notebooks" / f"{n}.ipynb").exists())
+    assert not missing, f"SPAWN_NOTEBOOKS names notebooks that do not exist: {missing}"
     assert starting <= listed, f"add {sorted(starting - listed)} to SPAWN_NOTEBOOKS in the Makefile"
     assert {"03_set_epoch", "05_workers_seeding", "10_cifar10_ddp"} <= starting  # the pattern still finds them
