@@ -231,7 +231,7 @@ class WorkerPid(Dataset):
 
 
 class CopiedOrShared(Dataset):
-    """Counts how often it is pickled; each worker writes into its NumPy array and its tensor."""
+    """Counts its pickles; each worker writes into its NumPy array and its tensor."""
 
     pickled = 0   # a class attribute, counted in the process that pickles
 
@@ -248,8 +248,8 @@ class CopiedOrShared(Dataset):
 
     def __getitem__(self, index):
         worker = get_worker_info().id
-        self.array[worker + 1] = self.tensor[worker + 1] = 7   # write into this worker's copy
-        return self.array[:4].tolist()                        # what this worker's copy holds
+        self.array[worker + 1] = self.tensor[worker + 1] = 7   # into this worker's copy
+        return self.array[:4].tolist()                        # what its copy holds
 
 
 def tutorial_seed_worker(worker_id):
@@ -259,7 +259,7 @@ def tutorial_seed_worker(worker_id):
 
 
 class EpochKeyed(AugmentedSamples):
-    """AugmentedSamples whose indices arrive as (epoch, index) pairs from the sampler."""
+    """AugmentedSamples whose indices arrive as (epoch, index) pairs."""
 
     def __init__(self):
         super().__init__("keyed")
@@ -273,7 +273,7 @@ class EpochKeyed(AugmentedSamples):
 # --- chapter 6: configuring each worker's copy in worker_init_fn ----------------------
 
 class RangeStream(IterableDataset):
-    """Yields start, ..., end - 1; a worker_init_fn may narrow [start, end) in its own copy."""
+    """Yields start, ..., end - 1; a worker_init_fn may narrow its copy's range."""
 
     def __init__(self, start, end):
         self.start, self.end = start, end
@@ -287,9 +287,11 @@ class RangeStream(IterableDataset):
 
 
 def split_range_per_worker(worker_id):
-    """worker_init_fn: narrow this worker's copy of a RangeStream to its contiguous share."""
+    """worker_init_fn: narrow this worker's copy of a RangeStream to its share."""
     info = get_worker_info()
-    stream = info.dataset                                   # this worker's own copy
-    g, total = global_worker(stream.rank, stream.world_size, worker_id, info.num_workers)
+    stream = info.dataset                         # this worker's own copy
+    g, total = global_worker(stream.rank, stream.world_size, worker_id,
+                             info.num_workers)
     start, size = stream.start, stream.end - stream.start
-    stream.start, stream.end = start + size * g // total, start + size * (g + 1) // total
+    stream.start = start + size * g // total
+    stream.end = start + size * (g + 1) // total

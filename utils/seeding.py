@@ -40,10 +40,10 @@ def derive_seed(*keys: int) -> int:
 
 
 def seed_everything(seed: int, rank: int = 0) -> int:
-    """Seed ``random``, NumPy's global RNG and torch (CPU and CUDA) for this rank; return the seed used.
+    """Seed ``random``, NumPy's global RNG and torch (CPU and CUDA) for this rank.
 
-    Each rank gets its own stream (``derive_seed(seed, rank)``), so augmentations and dropout
-    differ between ranks, while samplers keep their own shared ``seed`` argument.
+    Each rank gets its own stream (``derive_seed(seed, rank)``, returned), so
+    augmentations and dropout differ between ranks; samplers keep their shared seed.
     """
     seed = check_int("seed", seed, minimum=0)
     rank = check_int("rank", rank, minimum=0)
@@ -55,14 +55,14 @@ def seed_everything(seed: int, rank: int = 0) -> int:
 
 
 def seed_worker(worker_id: int) -> None:
-    """``worker_init_fn``: re-seed the data set's own RNG object from this worker's torch seed.
+    """``worker_init_fn``: re-seed the data set's own RNG from this worker's torch seed.
 
-    torch seeds each worker's ``random`` (with the 64-bit ``base_seed + worker_id``) and
-    NumPy's global RNG (with 128 bits mixed from ``base_seed`` and ``worker_id``) before this
-    runs; re-seeding them from ``torch.initial_seed() % 2**32``, as the popular recipe does,
-    would cut NumPy's seed to 32 bits. What torch cannot reach is an RNG object the data set
-    created in ``__init__``, which every worker inherits as an identical copy: if the data
-    set has a ``reseed(seed)`` method, it is called with this worker's 64-bit seed.
+    torch seeds each worker's ``random`` (64-bit ``base_seed + worker_id``) and NumPy's
+    global RNG (128 bits mixed from both) before this runs; re-seeding them from
+    ``torch.initial_seed() % 2**32``, as a popular recipe does, cuts that to 32 bits.
+    What torch cannot reach is an RNG object the data set made in ``__init__``, which
+    every worker inherits as an identical copy: a ``reseed(seed)`` method of the data
+    set is called with this worker's 64-bit seed.
     """
     info = get_worker_info()
     dataset = getattr(info, "dataset", None)
