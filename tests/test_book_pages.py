@@ -1,0 +1,92 @@
+"""The book's pages: landing-page times, chapter links, citations, no placeholder."""
+
+import json
+import pathlib
+import re
+
+import nbformat
+import pytest
+import yaml
+
+from utils.notebook_times import intro_with_times, minutes_label, toc_notebooks
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TOC = yaml.safe_load((ROOT / "_toc.yml").read_text())
+NUMBERED = [c["file"] for part in TOC["parts"] if part.get("numbered")
+            for c in part["chapters"]]
+PAGES = [ROOT / "README.md"] + sorted((ROOT / "book").glob("*.md"))
+
+
+def markdown_sources():
+    for path in toc_notebooks():
+        nb = nbformat.read(path, as_version=4)
+        for i, cell in enumerate(nb.cells):
+            if cell.cell_type == "markdown":
+                yield f"{path.name} cell {i}", cell.source
+    for path in PAGES:
+        yield path.name, path.read_text()
+
+
+def test_chapters_are_numbered_in_reading_order():
+    names = [pathlib.Path(f).name for f in NUMBERED]
+    assert names[:10] == sorted(names[:10]) and names[0] == "01_samplers", names
+    assert all(name.startswith(f"{i:02d}_") for i, name in enumerate(names, 1)), names
+
+
+def test_every_chapter_number_in_the_text_links_to_that_chapter():
+    wrong = []
+    # "[chapter 3](03_set_epoch.ipynb)", and "chapters [2](...) and [3](...)"
+    linked = re.compile(r"\[(?:[Cc]hapters? )?(\d+)\]\(([^)#]*\d\d_[^)#]+)")
+    for where, text in markdown_sources():
+        text = re.sub(r"```.*?```", "", text, flags=re.S)  # code blocks are not prose
+        for m in linked.finditer(text):
+            n, target = int(m.group(1)), pathlib.Path(m.group(2)).stem
+            if n > len(NUMBERED) or pathlib.Path(NUMBERED[n - 1]).name != target:
+                wrong.append(f"{where}: {m.group(0)} links the wrong chapter")
+        bare = re.sub(r"\[[^\]]*\]\([^)]*\)", "", text)  # drop every link
+        for m in re.finditer(r"\b[Cc]hapters? \d+\b", bare):
+            wrong.append(f"{where}: '{m.group(0)}' is not a link")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_citation_has_a_bibliography_entry_with_a_label():
+    bib = (ROOT / "book" / "references.bib").read_text()
+    entries = dict(re.findall(r"@\w+\{([\w-]+),(.*?)\n\}", bib, flags=re.S))
+    assert {"s0", "s1", "s2", "s3", "s4"} <= set(entries)
+    missing_label = [k for k, body in entries.items() if "shorthand" not in body]
+    assert not missing_label
+    cited = set()
+    for _, text in markdown_sources():
+        for keys in re.findall(r"\{cite(?::\w+)?\}`([^`]+)`", text):
+            cited.update(k.strip() for k in keys.split(","))
+    assert cited - set(entries) == set()
+    assert {"s0", "s1", "s2", "s3", "s4"} <= cited
+
+
+def test_landing_page_times_come_from_the_results_file():
+    results = json.loads((ROOT / "book/results/notebook_times_cpu.json").read_text())
+    names = {p.relative_to(ROOT).as_posix() for p in toc_notebooks()}
+    assert set(results["seconds"]) == names, "re-run python -m utils.notebook_times"
+    intro = (ROOT / "book/intro.md").read_text()
+    assert intro_with_times(intro, results["seconds"]) == intro
+    for name, seconds in results["seconds"].items():
+        row = next(line for line in intro.splitlines() if f"(../{name})" in line)
+        assert row.rstrip(" |").endswith(minutes_label(seconds)), row
+
+
+def test_intro_with_times_refuses_a_chapter_without_a_row():
+    with pytest.raises(ValueError, match="no table row linking"):
+        intro_with_times("| 1 | [x](../notebooks/x.ipynb) | 1 min |",
+                         {"notebooks/x.ipynb": 30, "notebooks/y.ipynb": 30})
+    row = "| [x](../notebooks/x.ipynb) | ? |"
+    assert intro_with_times(row, {"notebooks/x.ipynb": 61}) == row.replace("?", "2 min")
+    with pytest.raises(ValueError, match="positive"):
+        minutes_label(0)
+
+
+def test_no_placeholder_in_config_or_pages():
+    config = (ROOT / "_config.yml").read_text()
+    assert "example" not in config and "The book's authors" not in config
+    for path in PAGES:
+        text = path.read_text()
+        assert "<this repository>" not in text and "<it>" not in text, path.name
