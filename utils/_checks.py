@@ -5,18 +5,24 @@ from __future__ import annotations
 import numbers
 
 
-def check_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    """Return ``value`` as an int, or raise ``TypeError``/``ValueError`` naming ``name``.
+def check_int(name: str, value, *, minimum: int | None = None,
+              maximum: int | None = None) -> int:
+    """Return ``value`` as an int, or raise ``TypeError``/``ValueError``
+    naming ``name``.
 
-    Booleans are rejected even though ``bool`` is a subclass of ``int``: ``rank=True`` is a bug.
+    Booleans are rejected even though ``bool`` is a subclass of ``int``: ``rank=True``
+    is a bug.
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {value!r} of type {type(value).__name__}")
+        raise TypeError(f"{name} must be an integer, "
+                        f"got {value!r} of type {type(value).__name__}")
     value = int(value)
     if minimum is not None and value < minimum:
-        raise ValueError(f"{name}={value} is out of range; expected {name} >= {minimum}")
+        raise ValueError(f"{name}={value} is out of range; "
+                         f"expected {name} >= {minimum}")
     if maximum is not None and value > maximum:
-        raise ValueError(f"{name}={value} is out of range; expected {name} <= {maximum}")
+        raise ValueError(f"{name}={value} is out of range; "
+                         f"expected {name} <= {maximum}")
     return value
 
 

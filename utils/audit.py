@@ -1,4 +1,5 @@
-"""Audit per-rank index lists: the book proves its claims about shards with this, not with prose."""
+"""Audit per-rank index lists: the book proves its claims about shards with this, not
+with prose."""
 
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ __all__ = ["ShardAudit", "audit_shards"]
 class ShardAudit:
     """What a set of per-rank shards covers, repeats and shares.
 
-    ``padding`` lists ``(rank, position, index)`` for the slots beyond the data set's size in the
-    order ``DistributedSampler`` deals indices in (position 0 of rank 0, 1, ..., then position 1
-    of every rank, ...): slot ``position`` of ``rank`` is global slot
-    ``position * world_size + rank``, and global slots ``>= dataset_len`` can only hold repeats.
-    Other repeated indices show up in ``duplicates`` only.
+    ``padding`` lists ``(rank, position, index)`` for the slots beyond the data set's
+    size in the order ``DistributedSampler`` deals indices in (position 0 of rank 0, 1,
+    ..., then position 1 of every rank, ...): slot ``position`` of ``rank`` is global
+    slot ``position * world_size + rank``, and global slots ``>= dataset_len`` can only
+    hold repeats. Other repeated indices show up in ``duplicates`` only.
     """
 
     dataset_len: int
@@ -43,7 +44,8 @@ class ShardAudit:
 
     @property
     def coverage(self) -> float:
-        """Fraction of ``range(dataset_len)`` that appears on some rank (1.0 for an empty data set)."""
+        """Fraction of ``range(dataset_len)`` that appears on some rank (1.0 for an
+        empty data set)."""
         return 1.0 if self.dataset_len == 0 else self.covered / self.dataset_len
 
     @property
@@ -63,7 +65,8 @@ class ShardAudit:
 
     @property
     def is_partition(self) -> bool:
-        """Every index appears exactly once over all ranks: nothing missing, repeated or invalid."""
+        """Every index appears exactly once over all ranks: nothing missing, repeated
+        or invalid."""
         return not self.missing and not self.duplicates and not self.out_of_range
 
     def __repr__(self) -> str:
@@ -72,18 +75,21 @@ class ShardAudit:
             text = ", ".join(map(str, items[:limit]))
             return f"[{text}{', ...' if len(items) > limit else ''}]"
 
-        dup = ", ".join(f"{i}x{c}" for i, c in list(sorted(self.duplicates.items()))[:12])
+        dup = ", ".join(
+            f"{i}x{c}" for i, c in list(sorted(self.duplicates.items()))[:12]
+        )
         if len(self.duplicates) > 12:
             dup += ", ..."
         lines = [
             f"ShardAudit: {self.world_size} ranks, dataset_len={self.dataset_len}",
             f"  per-rank counts : {list(self.counts)} (balanced={self.balanced})",
             f"  coverage        : {self.covered}/{self.dataset_len} indices "
-            f"({self.coverage:.1%}), missing {len(self.missing)}: {short(self.missing)}",
+            f"({self.coverage:.1%}), missing {len(self.missing)}: "
+            f"{short(self.missing)}",
             f"  duplicates      : {len(self.duplicates)} indices seen more than once"
             + (f": {{{dup}}}" if self.duplicates else ""),
-            f"  padding         : {len(self.padding)} slots beyond dataset_len (rank, pos, index): "
-            f"{short(self.padding, 6)}",
+            f"  padding         : {len(self.padding)} slots beyond dataset_len "
+            f"(rank, pos, index): {short(self.padding, 6)}",
             f"  disjoint ranks  : {self.disjoint}",
             f"  is partition    : {self.is_partition}",
         ]
@@ -103,23 +109,35 @@ class ShardAudit:
 def _as_int_list(shard, rank: int) -> list[int]:
     if isinstance(shard, torch.Tensor):
         if shard.is_floating_point() or shard.is_complex() or shard.dtype == torch.bool:
-            raise TypeError(f"shards[{rank}] must hold integer indices, got a tensor of dtype {shard.dtype}")
+            raise TypeError(
+                f"shards[{rank}] must hold integer indices, "
+                f"got a tensor of dtype {shard.dtype}"
+            )
         if shard.dim() > 1:
-            raise ValueError(f"shard of rank {rank} must be one-dimensional, got shape {tuple(shard.shape)}")
+            raise ValueError(
+                f"shard of rank {rank} must be one-dimensional, "
+                f"got shape {tuple(shard.shape)}"
+            )
         return shard.tolist()
     try:
         return [check_int(f"shards[{rank}][{i}]", v) for i, v in enumerate(shard)]
     except TypeError as exc:
-        raise TypeError(f"shards[{rank}] must be a sequence of integer indices: {exc}") from None
+        raise TypeError(
+            f"shards[{rank}] must be a sequence of integer indices: {exc}"
+        ) from None
 
 
 def audit_shards(shards: Sequence[Sequence[int]], dataset_len: int) -> ShardAudit:
-    """Audit ``shards[r]``, the indices rank ``r`` visits, against ``range(dataset_len)``."""
+    """Audit ``shards[r]``, the indices rank ``r`` visits,
+    against ``range(dataset_len)``."""
     dataset_len = check_int("dataset_len", dataset_len, minimum=0)
     if isinstance(shards, (str, bytes)) or not hasattr(shards, "__len__"):
         raise TypeError("shards must be a sequence with one list of indices per rank")
     if len(shards) == 0:
-        raise ValueError("shards is empty; expected one list of indices per rank (at least one rank)")
+        raise ValueError(
+            "shards is empty; "
+            "expected one list of indices per rank (at least one rank)"
+        )
     lists = [_as_int_list(s, r) for r, s in enumerate(shards)]
     world = len(lists)
 
@@ -130,7 +148,8 @@ def audit_shards(shards: Sequence[Sequence[int]], dataset_len: int) -> ShardAudi
     duplicates = {i: c for i, c in sorted(total.items()) if c > 1}
 
     # Padding, in DistributedSampler's layout: slot `pos` of rank `r` is global position
-    # pos * world + r, and slots at positions >= dataset_len exist only to even out the ranks.
+    # pos * world + r, and slots at positions >= dataset_len exist only to even out
+    # the ranks.
     padding = [
         (r, pos, lists[r][pos])
         for pos in range(max(counts, default=0))
@@ -139,7 +158,9 @@ def audit_shards(shards: Sequence[Sequence[int]], dataset_len: int) -> ShardAudi
     ]
 
     sets = [set(s) for s in lists]
-    overlap = tuple(tuple(len(sets[a] & sets[b]) for b in range(world)) for a in range(world))
+    overlap = tuple(
+        tuple(len(sets[a] & sets[b]) for b in range(world)) for a in range(world)
+    )
     return ShardAudit(
         dataset_len=dataset_len,
         counts=counts,

@@ -1,8 +1,10 @@
-"""Benchmarks that are run by hand (``python -m utils.bench sampler``), never as timed tests.
+"""Benchmarks that are run by hand (``python -m utils.bench sampler``), never as
+timed tests.
 
-Each benchmark measures the things it compares in one run, alternating them, and reports the
-ratio, because absolute times on a shared machine are noisy. ``--out FILE`` saves the result as
-JSON with the hardware, software versions, command and date, for a chapter to show.
+Each benchmark measures the things it compares in one run, alternating them, and reports
+the ratio, because absolute times on a shared machine are noisy. ``--out FILE`` saves
+the result as JSON with the hardware, software versions, command and date, for a chapter
+to show.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ def environment() -> dict:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            cpu = next(line.split(":", 1)[1].strip() for line in f
+                       if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     return {
@@ -50,8 +53,10 @@ def _time_once(sampler) -> float:
     return elapsed
 
 
-def bench_sampler(n: int = 10**7, num_replicas: int = 8, repeats: int = 5, seed: int = 0) -> dict:
-    """Time ``list(sampler)`` for torch's DistributedSampler and ShardSampler, alternating; best of ``repeats``."""
+def bench_sampler(n: int = 10**7, num_replicas: int = 8, repeats: int = 5,
+                  seed: int = 0) -> dict:
+    """Time ``list(sampler)`` for torch's DistributedSampler and ShardSampler,
+    alternating; best of ``repeats``."""
     data = range(n)
     theirs = DistributedSampler(data, num_replicas=num_replicas, rank=0, seed=seed)
     ours = ShardSampler(data, num_replicas=num_replicas, rank=0, seed=seed)
@@ -68,7 +73,8 @@ def bench_sampler(n: int = 10**7, num_replicas: int = 8, repeats: int = 5, seed:
         "repeats": repeats,
         "seconds": {k: [round(t, 4) for t in v] for k, v in times.items()},
         "best_seconds": {k: round(t, 4) for k, t in best.items()},
-        "speedup_ours_vs_torch": round(best["DistributedSampler"] / best["ShardSampler"], 2),
+        "speedup_ours_vs_torch": round(
+            best["DistributedSampler"] / best["ShardSampler"], 2),
     }
 
 
@@ -198,9 +204,11 @@ import os, sys, datetime, torch.distributed as dist
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 timeout = datetime.timedelta(seconds=60 if sys.argv[1] == "prefix" else 10)
 if sys.argv[1] == "prefix":   # what utils.train_cifar10.init_process_group does
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]), False)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), False)
     dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt_{attempt}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+                            rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 else:
     dist.init_process_group("gloo", timeout=timeout)
 dist.barrier()
@@ -212,8 +220,9 @@ print(f"attempt {attempt}, rank {dist.get_rank()}: connected", flush=True)
 
 
 def bench_restart(runs: int = 5) -> dict:
-    """How often ranks restarted by ``torchrun --max-restarts=1`` reconnect, with the default
-    ``init_process_group`` and with a store prefix per attempt (the demo script is stored in the result)."""
+    """How often ranks restarted by ``torchrun --max-restarts=1`` reconnect, with the
+    default ``init_process_group`` and with a store prefix per attempt (the demo script
+    is stored in the result)."""
     import subprocess
     import tempfile
 
@@ -226,20 +235,29 @@ def bench_restart(runs: int = 5) -> dict:
         for mode in ("default", "prefix"):
             connected = mesh_errors = 0
             for _ in range(runs):
-                done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                       "--nproc_per_node=2", "--max-restarts=1", path, mode],
-                                      env=env, capture_output=True, text=True, timeout=300)
-                connected += "attempt 1, rank 0: connected" in done.stdout and "attempt 1, rank 1: connected" in done.stdout
+                done = subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                                       "--standalone", "--nproc_per_node=2",
+                                       "--max-restarts=1", path, mode],
+                                      env=env, capture_output=True, text=True,
+                                      timeout=300)
+                connected += ("attempt 1, rank 0: connected" in done.stdout
+                              and "attempt 1, rank 1: connected" in done.stdout)
                 mesh_errors += "connectFullMesh failed" in done.stdout + done.stderr
-            counts[mode] = {"runs": runs, "restarted_ranks_connected": connected, "gloo_connect_errors": mesh_errors}
-    return {"benchmark": "torchrun --standalone --nproc_per_node=2 --max-restarts=1, rank 1 dies after the first barrier",
+            counts[mode] = {"runs": runs, "restarted_ranks_connected": connected,
+                            "gloo_connect_errors": mesh_errors}
+    return {"benchmark": "torchrun --standalone --nproc_per_node=2 --max-restarts=1, "
+                         "rank 1 dies after the first barrier",
             "script": RESTART_DEMO.strip(), "results": counts}
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m utils.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["sampler", "ddp", "restart"], help="which benchmark to run")
-    parser.add_argument("--n", type=int, default=10**7, help="data set size (default 10^7)")
+    # the docstring's first paragraph (argparse re-flows it onto one line)
+    parser = argparse.ArgumentParser(prog="python -m utils.bench",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=["sampler", "ddp", "restart"],
+                        help="which benchmark to run")
+    parser.add_argument("--n", type=int, default=10**7,
+                        help="data set size (default 10^7)")
     parser.add_argument("--num-replicas", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5,
                         help="repeats (sampler, restart) or rounds (ddp); default 5")
@@ -256,12 +274,13 @@ def main(argv: list[str] | None = None) -> None:
         result = bench_sampler(args.n, args.num_replicas, args.repeats)
         for name, t in result["best_seconds"].items():
             print(f"{name:>20}: {t:.3f} s")
-        print(f"ratio DistributedSampler / ShardSampler = {result['speedup_ours_vs_torch']:.2f} "
-              "(>= 1.0 means ours is no slower)")
+        print("ratio DistributedSampler / ShardSampler = "
+              f"{result['speedup_ours_vs_torch']:.2f} (>= 1.0 means ours is no slower)")
     elif args.what == "restart":
         result = bench_restart(args.repeats)
         for mode, c in result["results"].items():
-            print(f"{mode:>8}: restarted ranks connected in {c['restarted_ranks_connected']} of {c['runs']} runs, "
+            print(f"{mode:>8}: restarted ranks connected in "
+                  f"{c['restarted_ranks_connected']} of {c['runs']} runs, "
                   f"gloo connect errors in {c['gloo_connect_errors']}")
     else:
         result = bench_ddp(rounds=args.repeats, bucket_cap_mb=args.bucket_cap_mb)
@@ -270,7 +289,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{result['ratio_to_torch_ddp'][name]:.2f}x torch DDP, "
                   f"{result['all_reduces_per_step'][name]} all-reduces")
     result["environment"] = environment()
-    result["command"] = "python -m utils.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    result["command"] = "python -m utils.bench " + " ".join(
+        argv if argv is not None else sys.argv[1:])
     result["date"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -1,12 +1,15 @@
-"""Which device a collective's tensors must live on: one answer, used by every collective in utils.
+"""Which device a collective's tensors must live on: one answer, used by every
+collective in utils.
 
-``nccl`` only moves CUDA tensors (``RuntimeError: No backend type associated with device type
-cpu`` otherwise); ``gloo`` moves CPU tensors. A group made with ``"cpu:gloo,cuda:nccl"`` takes
-both, and small bookkeeping tensors (counts, metrics) are cheapest on the CPU there. So:
+``nccl`` only moves CUDA tensors
+(``RuntimeError: No backend type associated with device type cpu`` otherwise); ``gloo``
+moves CPU tensors. A group made with ``"cpu:gloo,cuda:nccl"`` takes both, and small
+bookkeeping tensors (counts, metrics) are cheapest on the CPU there. So:
 
 * no process group, or a group that supports the CPU: ``cpu``;
-* a group that supports only an accelerator: that accelerator's *current* device, the one this
-  rank selected with ``torch.cuda.set_device(local_rank)``, never ``cuda:0`` on every rank.
+* a group that supports only an accelerator: that accelerator's *current* device, the
+  one this rank selected with ``torch.cuda.set_device(local_rank)``, never ``cuda:0`` on
+  every rank.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ __all__ = ["collective_device", "group_device_types"]
 def group_device_types(group=None) -> list[str]:
     """The device types ``group`` (default: the default group) runs collectives on."""
     group = group if group is not None else dist.group.WORLD
-    devices = getattr(group, "_device_types", None)  # torch >= 2.2: a backend per device type
+    # torch >= 2.2: a backend per device type
+    devices = getattr(group, "_device_types", None)
     if devices is not None:
         return [torch.device(d).type for d in devices]
-    backend = str(dist.get_backend(group))  # older: "gloo", "nccl" or "cpu:gloo,cuda:nccl"
+    # older: "gloo", "nccl" or "cpu:gloo,cuda:nccl"
+    backend = str(dist.get_backend(group))
     if ":" in backend:
         return [part.split(":")[0] for part in backend.split(",")]
     return ["cuda"] if backend == "nccl" else ["cpu"]

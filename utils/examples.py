@@ -1,4 +1,5 @@
-"""Small data sets the chapters load through DataLoader workers; they live in a module because workers started with spawn must import them.
+"""Small data sets the chapters load through DataLoader workers; they live in a module
+because workers started with spawn must import them.
 
 A worker started with ``spawn`` (the default on macOS and Windows) or ``forkserver``
 (Linux from Python 3.14) is a fresh interpreter: it receives the data set pickled *by
@@ -218,7 +219,7 @@ class ShardByRank(Numbers):
         return iter(range(self.rank, self.n, self.world_size))
 
 
-# --- chapter 5: worker processes per job, what spawn copies, epochs in keys ------------
+# --- chapter 5: worker processes per job, what spawn copies, epochs in keys -----------
 
 class WorkerPid(Dataset):
     """Sample i is (i, the id of the process that loaded it)."""

@@ -1,28 +1,32 @@
-"""Run a function on N local ranks that share a process group, from a notebook cell or a script.
+"""Run a function on N local ranks that share a process group, from a notebook cell or
+a script.
 
-``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes, initialises a
-``gloo`` (or other) process group in each, calls ``fn(*args)`` on every rank and returns the
-per-rank results as a list. It is built for teaching and testing:
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes, initialises
+a ``gloo`` (or other) process group in each, calls ``fn(*args)`` on every rank and
+returns the per-rank results as a list. It is built for teaching and testing:
 
-* ``fn`` is shipped by value with cloudpickle, so a function defined in the notebook works;
-* the rendezvous store lives in the calling process on a port the OS picks, so two calls in a row,
-  or two notebooks at once, never collide on a port;
-* a rank that raises makes the call raise :class:`RankError` at once, with that rank's number and
-  traceback; a rank that hangs makes it raise :class:`RankTimeoutError` at the timeout, with the
-  Python stack the hung rank was blocked in;
-* every rank runs in its own process group (``setpgrp``), and the call kills those groups before
-  it returns, so no rank and no DataLoader worker of a rank outlives it;
-* what a rank prints is captured and printed after the call, rank by rank, in rank order, so
-  the output of a cell is the same every time it runs; the caller's warning filters apply on
-  every rank;
-* ranks run on the CPU by default (``device="cpu"`` hides the GPUs from them), so a cell gives
-  the same result on a laptop and on a GPU server; ``device="cuda"`` (with ``backend="nccl"``)
-  gives rank ``r`` the GPU ``r % device_count``;
-* DataLoader workers started by a rank use the caller's start method (``fork``, ``spawn`` or
-  ``forkserver``), so a notebook meets the same pickling rules inside ranks as outside.
+* ``fn`` is shipped by value with cloudpickle, so a function defined in the
+  notebook works;
+* the rendezvous store lives in the calling process on a port the OS picks, so two calls
+  in a row, or two notebooks at once, never collide on a port;
+* a rank that raises makes the call raise :class:`RankError` at once, with that rank's
+  number and traceback; a rank that hangs makes it raise :class:`RankTimeoutError` at
+  the timeout, with the Python stack the hung rank was blocked in;
+* every rank runs in its own process group (``setpgrp``), and the call kills those
+  groups before it returns, so no rank and no DataLoader worker of a rank outlives it;
+* what a rank prints is captured and printed after the call, rank by rank, in rank
+  order, so the output of a cell is the same every time it runs; the caller's warning
+  filters apply on every rank;
+* ranks run on the CPU by default (``device="cpu"`` hides the GPUs from them), so a cell
+  gives the same result on a laptop and on a GPU server; ``device="cuda"`` (with
+  ``backend="nccl"``) gives rank ``r`` the GPU ``r % device_count``;
+* DataLoader workers started by a rank use the caller's start method (``fork``,
+  ``spawn`` or ``forkserver``), so a notebook meets the same pickling rules inside ranks
+  as outside.
 
-Ranks are forked from a ``forkserver`` that imported torch once, so a call costs a fraction of
-a second after the first one (see ``tests/test_launch.py::test_call_overhead``).
+Ranks are forked from a ``forkserver`` that imported torch once, so a call costs a
+fraction of a second after the first one
+(see ``tests/test_launch.py::test_call_overhead``).
 """
 
 from __future__ import annotations
@@ -69,15 +73,18 @@ class RankError(RuntimeError):
 
 
 class RankTimeoutError(TimeoutError):
-    """Some ranks did not finish within the timeout; ``stacks`` holds where each was blocked."""
+    """Some ranks did not finish within the timeout; ``stacks`` holds where each
+    was blocked."""
 
-    def __init__(self, timeout: float, pending: list[int], finished: list[int], stacks: dict[int, str]):
+    def __init__(self, timeout: float, pending: list[int], finished: list[int],
+                 stacks: dict[int, str]):
         self.timeout = timeout
         self.pending = pending
         self.finished = finished
         self.stacks = stacks
         where = "".join(
-            f"\n\n--- rank {r} was blocked here ---\n{stacks[r].rstrip()}" for r in pending if stacks.get(r)
+            f"\n\n--- rank {r} was blocked here ---\n{stacks[r].rstrip()}"
+            for r in pending if stacks.get(r)
         )
         super().__init__(
             f"ranks {pending} did not finish within timeout={timeout:g} s "
@@ -86,9 +93,10 @@ class RankTimeoutError(TimeoutError):
 
 
 def _set_rank_env(rank: int, world_size: int, port: int) -> None:
-    # The variables torchrun sets, so code that reads them (RANK, LOCAL_RANK, WORLD_SIZE) works
-    # on these ranks. The default process group is already initialised: fn must not call
-    # init_process_group again (use dist.new_group for sub-groups).
+    # The variables torchrun sets, so code that reads them (RANK, LOCAL_RANK,
+    # WORLD_SIZE) works on these ranks. The default process group is already
+    # initialised: fn must not call init_process_group again (use dist.new_group
+    # for sub-groups).
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -101,32 +109,38 @@ def _set_rank_env(rank: int, world_size: int, port: int) -> None:
 
 def _parent_alive(pid: int, create_time: float) -> bool:
     try:
-        return psutil.Process(pid).create_time() == create_time  # same pid *and* the same process
+        # same pid *and* the same process
+        return psutil.Process(pid).create_time() == create_time
     except psutil.NoSuchProcess:
         return False
 
 
 def _exit_when_orphaned(parent_pid: int, parent_create_time: float) -> None:
-    # Ranks are not daemonic (they may start DataLoader workers), so if the calling process dies
-    # without cleaning up, each rank notices here and kills its own process group.
+    # Ranks are not daemonic (they may start DataLoader workers), so if the calling
+    # process dies without cleaning up, each rank notices here and kills its own
+    # process group.
     while True:
         time.sleep(1.0)
         if not _parent_alive(parent_pid, parent_create_time):
             os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
-def _rank_main(rank, world_size, port, backend, device, start_method, timeout_s, threads, sys_path, environ,
-               payload, conn, files, parent):
+def _rank_main(rank, world_size, port, backend, device, start_method, timeout_s,
+               threads, sys_path, environ, payload, conn, files, parent):
     """Entry point of one rank (runs in the child process)."""
-    os.setpgrp()  # own process group: the parent kills this rank and its workers in one call
-    # The fork server was started with the environment of the first call; use the caller's now.
+    # own process group: the parent kills this rank and its workers in one call
+    os.setpgrp()
+    # The fork server was started with the environment of the first call; use the
+    # caller's now.
     os.environ.clear()
     os.environ.update(environ)
     if device == "cpu":
-        # Before CUDA is initialised in this process: torch.cuda.is_available() is now False here.
+        # Before CUDA is initialised in this process: torch.cuda.is_available() is now
+        # False here.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    # Forkserver children inherit 'forkserver' as their start method; give DataLoader workers
-    # the caller's instead (fork on Linux up to Python 3.13, spawn on macOS and Windows).
+    # Forkserver children inherit 'forkserver' as their start method; give DataLoader
+    # workers the caller's instead (fork on Linux up to Python 3.13, spawn on macOS
+    # and Windows).
     mp.set_start_method(start_method, force=True)
     threading.Thread(target=_exit_when_orphaned, args=parent, daemon=True).start()
     sys.path[:] = sys_path
@@ -137,45 +151,55 @@ def _rank_main(rank, world_size, port, backend, device, start_method, timeout_s,
     _set_rank_env(rank, world_size, port)
     torch.set_num_threads(threads)
     if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())  # before the group, as torchrun scripts do
-    # What the rank prints goes to a file, so the caller can show it even if the rank hangs.
+        # before the group, as torchrun scripts do
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    # What the rank prints goes to a file, so the caller can show it even if the
+    # rank hangs.
     captured = open(files["output"], "w", buffering=1, encoding="utf-8")
     try:
         with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
-            # Collectives time out well after the caller's deadline, so that a hang is always
-            # reported the same way: by the caller, with the stack each hung rank is blocked in.
+            # Collectives time out well after the caller's deadline, so that a hang is
+            # always reported the same way: by the caller, with the stack each hung rank
+            # is blocked in.
             pg_timeout = timedelta(seconds=timeout_s + 60)
             store = dist.TCPStore(_HOST, port, world_size + 1, False, pg_timeout)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
+            dist.init_process_group(backend, store=store, rank=rank,
+                                    world_size=world_size, timeout=pg_timeout)
             fn, args, warning_filters = cloudpickle.loads(payload)
-            warnings.filters[:] = warning_filters  # the caller's warning filters apply on every rank
+            # the caller's warning filters apply on every rank
+            warnings.filters[:] = warning_filters
             value = fn(*args)
         message = ("ok", value)
-    except BaseException as exc:  # report everything, KeyboardInterrupt and SystemExit too
+    except BaseException as exc:
+        # report everything, KeyboardInterrupt and SystemExit too
         message = ("error", type(exc).__name__, str(exc), traceback.format_exc())
     captured.flush()
     try:
         conn.send_bytes(cloudpickle.dumps(message))
     except Exception as exc:  # e.g. a return value that cannot be pickled
         conn.send_bytes(cloudpickle.dumps(
-            ("error", type(exc).__name__, f"could not send the result back: {exc}", traceback.format_exc())))
-    # Keep the process group alive until the parent says every rank is done, so that a rank
-    # that finishes early does not tear down connections the others still use.
+            ("error", type(exc).__name__, f"could not send the result back: {exc}",
+             traceback.format_exc())))
+    # Keep the process group alive until the parent says every rank is done, so that a
+    # rank that finishes early does not tear down connections the others still use.
     with contextlib.suppress(EOFError, OSError):
         conn.recv_bytes()
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
     captured.flush()
-    os._exit(0)  # do not wait for threads or atexit handlers that fn may have left behind
+    # do not wait for threads or atexit handlers that fn may have left behind
+    os._exit(0)
 
 
 def _context() -> mp.context.BaseContext:
     if sys.platform == "linux":
         ctx = mp.get_context("forkserver")
-        # Import torch once in the fork server; every rank is then a cheap fork of it. The fork
-        # server is a child of the calling process that lives as long as it does.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "utils.launch"])
+        # Import torch once in the fork server; every rank is then a cheap fork of it.
+        # The fork server is a child of the calling process that lives as long as
+        # it does.
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle",
+                                    "utils.launch"])
         return ctx
     return mp.get_context("spawn")
 
@@ -227,38 +251,49 @@ def run_distributed(
     show_output: bool = True,
     device: str = "cpu",
 ) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` local ranks sharing a process group; return each rank's result.
+    """Run ``fn(*args)`` on ``world_size`` local ranks sharing a process group; return
+    each rank's result.
 
-    ``fn`` finds its rank with ``torch.distributed.get_rank()``. Results come back in rank order
-    (tensors included). Raises :class:`RankError` as soon as a rank fails and
-    :class:`RankTimeoutError` if ranks are still running after ``timeout`` seconds; in every
-    case all rank processes are gone when the call returns. ``device="cpu"`` (the default) hides
-    the GPUs from the ranks; ``device="cuda"`` puts rank ``r`` on GPU ``r % device_count``.
+    ``fn`` finds its rank with ``torch.distributed.get_rank()``. Results come back in
+    rank order (tensors included). Raises :class:`RankError` as soon as a rank fails and
+    :class:`RankTimeoutError` if ranks are still running after ``timeout`` seconds; in
+    every case all rank processes are gone when the call returns. ``device="cpu"`` (the
+    default) hides the GPUs from the ranks; ``device="cuda"`` puts rank ``r`` on
+    GPU ``r % device_count``.
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     world_size = check_int("world_size", world_size, minimum=1)
     threads_per_rank = check_int("threads_per_rank", threads_per_rank, minimum=1)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+            or not timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, "
+                         f"got {timeout!r}")
     if not isinstance(backend, str) or not dist.is_backend_available(backend):
-        raise ValueError(f"backend={backend!r} is not available in this torch build; use 'gloo' on CPU")
+        raise ValueError(f"backend={backend!r} is not available in this torch build; "
+                         f"use 'gloo' on CPU")
     if device not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r} is not supported; expected 'cpu' or 'cuda'")
+        raise ValueError(f"device={device!r} is not supported; "
+                         f"expected 'cpu' or 'cuda'")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but torch.cuda.is_available() is False here; use device='cpu'")
+        raise ValueError("device='cuda' but torch.cuda.is_available() is False here; "
+                         "use device='cpu'")
     if device == "cpu" and backend == "nccl":
-        raise ValueError("backend='nccl' moves CUDA tensors only; use device='cuda' with it, or backend='gloo'")
+        raise ValueError("backend='nccl' moves CUDA tensors only; "
+                         "use device='cuda' with it, or backend='gloo'")
 
     payload = cloudpickle.dumps((fn, args, list(warnings.filters)))
     ctx = _context()
-    # The rendezvous store listens in this process on a port the OS picks: no races for ports.
-    store = dist.TCPStore(_HOST, 0, world_size + 1, True, timedelta(seconds=timeout), wait_for_workers=False)
+    # The rendezvous store listens in this process on a port the OS picks: no races
+    # for ports.
+    store = dist.TCPStore(_HOST, 0, world_size + 1, True, timedelta(seconds=timeout),
+                          wait_for_workers=False)
     tmpdir = tempfile.TemporaryDirectory(prefix="run_distributed_")
     me = psutil.Process()
     parent = (me.pid, me.create_time())
     procs, conns = [], []
-    files = [{kind: os.path.join(tmpdir.name, f"{kind}{rank}") for kind in ("stack", "ready", "output")}
+    files = [{kind: os.path.join(tmpdir.name, f"{kind}{rank}")
+              for kind in ("stack", "ready", "output")}
              for rank in range(world_size)]
     results: list[Any] = [None] * world_size
     pending = set(range(world_size))
@@ -267,9 +302,10 @@ def run_distributed(
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=_rank_main,
-                args=(rank, world_size, store.port, backend, device, mp.get_start_method(), float(timeout),
-                      threads_per_rank,
-                      list(sys.path), dict(os.environ), payload, child_end, files[rank], parent),
+                args=(rank, world_size, store.port, backend, device,
+                      mp.get_start_method(), float(timeout), threads_per_rank,
+                      list(sys.path), dict(os.environ), payload, child_end, files[rank],
+                      parent),
                 name=f"rank{rank}",
                 daemon=False,  # a rank must be able to start DataLoader workers
             )
@@ -283,7 +319,8 @@ def run_distributed(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 stacks = {r: _read_stack(procs[r], files[r]) for r in sorted(pending)}
-                raise RankTimeoutError(timeout, sorted(pending), sorted(set(range(world_size)) - pending), stacks)
+                raise RankTimeoutError(timeout, sorted(pending),
+                                       sorted(set(range(world_size)) - pending), stacks)
             watch = {conns[r]: r for r in pending}
             watch.update({procs[r].sentinel: r for r in pending})
             for ready in wait(list(watch), timeout=remaining):
@@ -296,8 +333,10 @@ def run_distributed(
                         message = cloudpickle.loads(conns[rank].recv_bytes())
                 if message is None:
                     procs[rank].join(1.0)
-                    raise RankError(rank, "ProcessExit", f"the process exited with code {procs[rank].exitcode} "
-                                    "before returning a result", "(no Python traceback: the process died)")
+                    raise RankError(rank, "ProcessExit",
+                                    f"the process exited with code "
+                                    f"{procs[rank].exitcode} before returning a result",
+                                    "(no Python traceback: the process died)")
                 if message[0] == "error":
                     _, exc_type, text, tb = message
                     raise RankError(rank, exc_type, text, tb)
@@ -306,7 +345,8 @@ def run_distributed(
         for conn in conns:  # every rank is done: let them tear down the process group
             with contextlib.suppress(OSError):
                 conn.send_bytes(b"done")
-        shutdown = time.monotonic() + 5.0  # one shared deadline, whatever the number of ranks
+        # one shared deadline, whatever the number of ranks
+        shutdown = time.monotonic() + 5.0
         for proc in procs:
             proc.join(max(0.0, shutdown - time.monotonic()))
     finally:
@@ -317,6 +357,7 @@ def run_distributed(
         for conn in conns:
             conn.close()
         if show_output:
-            _print_outputs(files)  # also when a rank failed or hung: its prints help most then
+            # also when a rank failed or hung: its prints help most then
+            _print_outputs(files)
         tmpdir.cleanup()
     return results

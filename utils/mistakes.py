@@ -1,9 +1,10 @@
-"""Helpers of the common-mistakes appendix: catch a hang, turn on DETAIL checks, trim errors.
+"""Helpers of the common-mistakes appendix: catch a hang, turn on DETAIL checks,
+trim errors.
 
-- ``hangs(fn, world_size, *args)`` runs ``fn`` on local ranks and reports a hang as a fact
-  (``True`` and the ranks still waiting) instead of a timing;
-- ``detail_group()`` gives this rank a process group checked as ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
-  checks the default group of a ``torchrun`` job;
+- ``hangs(fn, world_size, *args)`` runs ``fn`` on local ranks and reports a hang as a
+  fact (``True`` and the ranks still waiting) instead of a timing;
+- ``detail_group()`` gives this rank a process group checked as
+  ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checks the default group of a ``torchrun`` job;
 - ``mismatch_report(message)`` keeps the lines of torch's "Detected mismatch between
   collectives" error that do not depend on the machine;
 - ``audit_summary(audit)`` prints an ``audit_shards`` result in one line.
@@ -59,16 +60,19 @@ _FINGERPRINT = re.compile(
 
 
 def mismatch_report(message: str) -> str:
-    """The stable lines of torch's collective-mismatch error (``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
+    """The stable lines of torch's collective-mismatch error
+    (``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
 
-    Keeps the first sentence, each rank's fingerprint (sequence number, operation, shape,
-    dtype; not the long tensor options) and what differs. Raises ``ValueError`` for any
-    other message, so a changed error text is noticed rather than printed as a mismatch.
+    Keeps the first sentence, each rank's fingerprint (sequence number, operation,
+    shape, dtype; not the long tensor options) and what differs. Raises ``ValueError``
+    for any other message, so a changed error text is noticed rather than printed as
+    a mismatch.
     """
     if "Detected mismatch between collectives" not in message:
         raise ValueError(f"not a collective-mismatch error: {message[:200]!r}")
     lines = ["Detected mismatch between collectives on ranks."]
-    lines += [f"  rank {rank}: {fields}" for rank, fields in _FINGERPRINT.findall(message)]
+    lines += [f"  rank {rank}: {fields}"
+              for rank, fields in _FINGERPRINT.findall(message)]
     differ = message.partition("Collectives differ in the following aspects:")[2]
     if differ:
         lines.append("  differ in: " + " ".join(differ.split()))
@@ -76,10 +80,12 @@ def mismatch_report(message: str) -> str:
 
 
 def audit_summary(audit: ShardAudit, limit: int = 4) -> str:
-    """One line of an ``audit_shards`` result: per-rank counts, what was never seen or repeated."""
+    """One line of an ``audit_shards`` result: per-rank counts, what was never seen
+    or repeated."""
     def short(items):
         items = list(items)
-        return "[" + ", ".join(map(str, items[:limit])) + (", ...]" if len(items) > limit else "]")
+        return ("[" + ", ".join(map(str, items[:limit]))
+                + (", ...]" if len(items) > limit else "]"))
 
     return (f"per rank {list(audit.counts)} | never seen {len(audit.missing)} | "
             f"repeated {len(audit.duplicates)}"

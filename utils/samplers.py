@@ -1,16 +1,19 @@
 """Distributed samplers written from scratch.
 
-``ShardSampler`` yields exactly the indices that ``torch.utils.data.DistributedSampler`` yields,
-for every combination of arguments, but builds them with tensor operations and converts only
-this rank's share to Python ints, so it is faster for large data sets.
+``ShardSampler`` yields exactly the indices that ``torch.utils.data.DistributedSampler``
+yields, for every combination of arguments, but builds them with tensor operations and
+converts only this rank's share to Python ints, so it is faster for large data sets.
 
-The samplers torch lacks follow the same pattern: one global decision that every rank computes
-identically from ``(seed, epoch)``, then a split that gives every rank the same number of items.
+The samplers torch lacks follow the same pattern: one global decision that every rank
+computes identically from ``(seed, epoch)``, then a split that gives every rank the same
+number of items.
 
 - ``StratifiedShardSampler``: every rank gets each class in the same proportion;
-- ``WeightedShardSampler``: one weighted draw, shared by the ranks (``WeightedRandomSampler`` for DDP);
+- ``WeightedShardSampler``: one weighted draw, shared by the ranks
+  (``WeightedRandomSampler`` for DDP);
 - ``ShardedSampler``: distributes the output of any deterministic sampler;
-- ``ClassBalancedBatchSampler``: batches of equal counts of a few classes, disjoint across ranks.
+- ``ClassBalancedBatchSampler``: batches of equal counts of a few classes, disjoint
+  across ranks.
 """
 
 from __future__ import annotations
@@ -46,13 +49,15 @@ def check_seed_and_epoch(seed, epoch) -> tuple[int, int]:
     seed = check_int("seed", seed, minimum=0, maximum=MAX_SEED)
     epoch = check_int("epoch", epoch, minimum=0, maximum=MAX_SEED)
     if seed + epoch > MAX_SEED:
-        raise ValueError(f"seed + epoch = {seed + epoch} is out of range; the generator is seeded with "
+        raise ValueError(f"seed + epoch = {seed + epoch} is out of range; "
+                         f"the generator is seeded with "
                          f"seed + epoch, which must be <= 2**64 - 1")
     return seed, epoch
 
 
 def epoch_generator(seed: int, epoch: int) -> torch.Generator:
-    """The generator every rank builds for ``(seed, epoch)``, as ``DistributedSampler`` does."""
+    """The generator every rank builds for ``(seed, epoch)``, as
+    ``DistributedSampler`` does."""
     seed, epoch = check_seed_and_epoch(seed, epoch)
     g = torch.Generator()
     g.manual_seed(seed + epoch)
@@ -60,17 +65,20 @@ def epoch_generator(seed: int, epoch: int) -> torch.Generator:
 
 
 def num_samples_per_rank(dataset_len: int, num_replicas: int, drop_last: bool) -> int:
-    """How many indices each rank gets: ``ceil(n / R)`` with padding, ``floor(n / R)`` without."""
+    """How many indices each rank gets: ``ceil(n / R)`` with padding,
+    ``floor(n / R)`` without."""
     if drop_last:
         return dataset_len // num_replicas
     return math.ceil(dataset_len / num_replicas)
 
 
-def stride_shard(order: torch.Tensor, num_replicas: int, rank: int, drop_last: bool = False) -> torch.Tensor:
-    """Rank ``rank``'s share of a global ``order``: positions ``rank, rank + R, ...`` after padding or cutting.
+def stride_shard(order: torch.Tensor, num_replicas: int, rank: int,
+                 drop_last: bool = False) -> torch.Tensor:
+    """Rank ``rank``'s share of a global ``order``: positions ``rank, rank + R, ...``
+    after padding or cutting.
 
-    Padding repeats ``order`` from its start (padded position ``p`` holds ``order[p % n]``), so
-    only this rank's positions are ever computed.
+    Padding repeats ``order`` from its start (padded position ``p`` holds
+    ``order[p % n]``), so only this rank's positions are ever computed.
     """
     n = len(order)
     per_rank = num_samples_per_rank(n, num_replicas, drop_last)
@@ -90,12 +98,13 @@ def shard_indices(
     epoch: int = 0,
     drop_last: bool = False,
 ) -> torch.Tensor:
-    """This rank's indices as an int64 tensor, exactly as ``DistributedSampler`` orders them.
+    """This rank's indices as an int64 tensor, exactly as ``DistributedSampler``
+    orders them.
 
-    The global order is a permutation of ``range(dataset_len)`` drawn from a generator seeded
-    with ``seed + epoch`` (or the identity without shuffling). It is cut to a multiple of
-    ``num_replicas`` (``drop_last``) or padded by repeating it from the start; rank ``r`` takes
-    positions ``r, r + R, r + 2R, ...``.
+    The global order is a permutation of ``range(dataset_len)`` drawn from a generator
+    seeded with ``seed + epoch`` (or the identity without shuffling). It is cut to a
+    multiple of ``num_replicas`` (``drop_last``) or padded by repeating it from the
+    start; rank ``r`` takes positions ``r, r + R, r + 2R, ...``.
     """
     n = check_int("dataset_len", dataset_len, minimum=0)
     num_replicas = check_int("num_replicas", num_replicas, minimum=1)
@@ -111,12 +120,13 @@ def shard_indices(
 
 
 def resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
-    """``(num_replicas, rank)``, defaulting to the initialised process group's, checked."""
+    """``(num_replicas, rank)``, defaulting to the initialised process
+    group's, checked."""
     if num_replicas is None or rank is None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
-                "num_replicas and rank default to the process group's world size and rank, "
-                "but no process group is initialised: call "
+                "num_replicas and rank default to the process group's world size and "
+                "rank, but no process group is initialised: call "
                 "torch.distributed.init_process_group() first or pass both explicitly"
             )
         num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
@@ -126,7 +136,8 @@ def resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]
 
 
 def check_labels(labels) -> np.ndarray:
-    """Labels as a 1-D int64 array; they are read as a sequence, never by loading samples."""
+    """Labels as a 1-D int64 array; they are read as a sequence, never by
+    loading samples."""
     if isinstance(labels, torch.Tensor):
         labels = labels.detach().cpu().numpy()
     try:
@@ -141,7 +152,8 @@ def check_labels(labels) -> np.ndarray:
 
 
 class _EpochSampler(Sampler):
-    """What every sampler here shares: ranks resolved and checked, a seed, and ``set_epoch``."""
+    """What every sampler here shares: ranks resolved and checked, a seed,
+    and ``set_epoch``."""
 
     def __init__(self, num_replicas: int | None, rank: int | None, seed: int) -> None:
         self.num_replicas, self.rank = resolve_world(num_replicas, rank)
@@ -149,7 +161,8 @@ class _EpochSampler(Sampler):
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next ``__iter__`` use the order of ``epoch``; call it with the same value on every rank."""
+        """Make the next ``__iter__`` use the order of ``epoch``; call it with the same
+        value on every rank."""
         _, self.epoch = check_seed_and_epoch(self.seed, epoch)
 
     def generator(self) -> torch.Generator:
@@ -178,13 +191,14 @@ class ShardSampler(_EpochSampler):
             self.dataset_len = len(dataset)
         except TypeError:
             raise TypeError(
-                f"dataset must have a length (a map-style data set or any Sized object), "
-                f"got {type(dataset).__name__} without __len__"
+                f"dataset must have a length (a map-style data set or any Sized "
+                f"object), got {type(dataset).__name__} without __len__"
             ) from None
         super().__init__(num_replicas, rank, seed)
         self.shuffle = check_bool("shuffle", shuffle)
         self.drop_last = check_bool("drop_last", drop_last)
-        self.num_samples = num_samples_per_rank(self.dataset_len, self.num_replicas, drop_last)
+        self.num_samples = num_samples_per_rank(self.dataset_len, self.num_replicas,
+                                                drop_last)
         self.total_size = self.num_samples * self.num_replicas
 
     def indices(self) -> torch.Tensor:
@@ -207,33 +221,39 @@ class ShardSampler(_EpochSampler):
 
     def __repr__(self) -> str:
         return (
-            f"ShardSampler(len(dataset)={self.dataset_len}, num_replicas={self.num_replicas}, "
+            f"ShardSampler(len(dataset)={self.dataset_len}, "
+            f"num_replicas={self.num_replicas}, "
             f"rank={self.rank}, shuffle={self.shuffle}, seed={self.seed}, "
             f"drop_last={self.drop_last}, epoch={self.epoch})"
         )
 
 
 class StratifiedShardSampler(_EpochSampler):
-    """Every rank gets each class in the same proportion (per-class counts within one), every epoch reshuffled.
+    """Every rank gets each class in the same proportion (per-class counts within one),
+    every epoch reshuffled.
 
-    Each class is shuffled with the ``(seed, epoch)`` generator; the classes are laid end to end
-    and dealt round robin, so each rank gets ``floor`` or ``ceil`` of ``n_c / R`` of class ``c``.
-    Ranks that come out one short get one repeated sample of a class they are short of (at most
-    ``R - 1`` repeats per epoch, listed by :meth:`padding`), or with ``drop_last`` the longer ranks
-    give one back (listed by :meth:`dropped`). Each rank's share is then shuffled on its own.
+    Each class is shuffled with the ``(seed, epoch)`` generator; the classes are laid
+    end to end and dealt round robin, so each rank gets ``floor`` or ``ceil`` of
+    ``n_c / R`` of class ``c``. Ranks that come out one short get one repeated sample of
+    a class they are short of (at most ``R - 1`` repeats per epoch, listed by
+    :meth:`padding`), or with ``drop_last`` the longer ranks give one back (listed by
+    :meth:`dropped`). Each rank's share is then shuffled on its own.
     """
 
-    def __init__(self, labels: Sequence[int], num_replicas: int | None = None, rank: int | None = None,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+    def __init__(self, labels: Sequence[int], num_replicas: int | None = None,
+                 rank: int | None = None, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False) -> None:
         self.labels = check_labels(labels)
         super().__init__(num_replicas, rank, seed)
         self.shuffle = check_bool("shuffle", shuffle)
         self.drop_last = check_bool("drop_last", drop_last)
-        self.num_samples = num_samples_per_rank(len(self.labels), self.num_replicas, self.drop_last)
+        self.num_samples = num_samples_per_rank(len(self.labels), self.num_replicas,
+                                                self.drop_last)
         self.classes = np.unique(self.labels)
 
     def _plan(self) -> tuple[list[np.ndarray], list[list[int]], list[list[int]]]:
-        """Every rank's share (the same computation on every rank), its padding and its dropped indices."""
+        """Every rank's share (the same computation on every rank), its padding and its
+        dropped indices."""
         g = self.generator()
         blocks = []
         for c in self.classes:
@@ -246,13 +266,16 @@ class StratifiedShardSampler(_EpochSampler):
         R = self.num_replicas
         shares = [list(order[r::R]) for r in range(R)]
         share_blocks = [list(block_of[r::R]) for r in range(R)]
-        counts = np.array([np.bincount(share_blocks[r], minlength=len(blocks)) for r in range(R)]).reshape(R, -1)
+        counts = np.array([np.bincount(share_blocks[r], minlength=len(blocks))
+                           for r in range(R)]).reshape(R, -1)
         padding: list[list[int]] = [[] for _ in range(R)]
         dropped: list[list[int]] = [[] for _ in range(R)]
-        next_repeat = [0] * len(blocks)  # padding repeats each class from its start, like DistributedSampler
+        # padding repeats each class from its start, like DistributedSampler
+        next_repeat = [0] * len(blocks)
         for r in range(R):
-            # A rank is one short (pad) or one long (drop): change a class where that keeps the
-            # per-class counts within one of the other ranks, chosen with the shared generator.
+            # A rank is one short (pad) or one long (drop): change a class where that
+            # keeps the per-class counts within one of the other ranks, chosen with the
+            # shared generator.
             if not self.drop_last and len(shares[r]) < self.num_samples:
                 short = np.flatnonzero(counts[r] < counts.max(axis=0))
                 c = int(short[int(torch.randint(len(short), (1,), generator=g))])
@@ -274,16 +297,19 @@ class StratifiedShardSampler(_EpochSampler):
         shares, padding, dropped = self._plan()
         share = shares[self.rank]
         if self.shuffle and len(share):
-            local = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, self.rank))
+            local = torch.Generator().manual_seed(
+                derive_seed(self.seed, self.epoch, self.rank))
             share = share[torch.randperm(len(share), generator=local).numpy()]
         return share, padding[self.rank], dropped[self.rank]
 
     def padding(self) -> list[int]:
-        """The repeated indices this rank gets in the current epoch (empty with ``drop_last``)."""
+        """The repeated indices this rank gets in the current epoch (empty
+        with ``drop_last``)."""
         return self._rank_share()[1]
 
     def dropped(self) -> list[int]:
-        """The indices this rank gave up in the current epoch (only with ``drop_last``)."""
+        """The indices this rank gave up in the current epoch (only
+        with ``drop_last``)."""
         return self._rank_share()[2]
 
     def __iter__(self) -> Iterator[int]:
@@ -294,20 +320,25 @@ class StratifiedShardSampler(_EpochSampler):
 
 
 class WeightedShardSampler(_EpochSampler):
-    """``WeightedRandomSampler`` for several ranks: one weighted draw every rank agrees on, then sharded.
+    """``WeightedRandomSampler`` for several ranks: one weighted draw every rank agrees
+    on, then sharded.
 
-    Each epoch draws ``ceil(num_samples / R) * R`` indices with ``torch.multinomial`` from the
-    ``(seed, epoch)`` generator, identically on every rank, and rank ``r`` keeps draws
-    ``r, r + R, ...``. The union over ranks is therefore one correct weighted sample.
+    Each epoch draws ``ceil(num_samples / R) * R`` indices with ``torch.multinomial``
+    from the ``(seed, epoch)`` generator, identically on every rank, and rank ``r``
+    keeps draws ``r, r + R, ...``. The union over ranks is therefore one correct
+    weighted sample.
     """
 
-    def __init__(self, weights: Sequence[float], num_samples: int, replacement: bool = True,
-                 num_replicas: int | None = None, rank: int | None = None, seed: int = 0) -> None:
+    def __init__(self, weights: Sequence[float], num_samples: int,
+                 replacement: bool = True, num_replicas: int | None = None,
+                 rank: int | None = None, seed: int = 0) -> None:
         w = torch.as_tensor(weights, dtype=torch.double)
         if w.dim() != 1 or len(w) == 0:
-            raise ValueError(f"weights must be a non-empty 1-D sequence, got shape {tuple(w.shape)}")
+            raise ValueError(f"weights must be a non-empty 1-D sequence, "
+                             f"got shape {tuple(w.shape)}")
         if not torch.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
-            raise ValueError("weights must be finite and non-negative, with a positive sum")
+            raise ValueError("weights must be finite and non-negative, "
+                             "with a positive sum")
         self.weights = w
         self.num_samples_total = check_int("num_samples", num_samples, minimum=1)
         self.replacement = check_bool("replacement", replacement)
@@ -317,8 +348,10 @@ class WeightedShardSampler(_EpochSampler):
         nonzero = int((w > 0).sum())
         if not replacement and draws > nonzero:
             raise ValueError(
-                f"without replacement the ranks draw {draws} indices in all (num_samples rounded up to a "
-                f"multiple of num_replicas={self.num_replicas}), but only {nonzero} weights are positive"
+                f"without replacement the ranks draw {draws} indices in all "
+                f"(num_samples rounded up to a multiple of "
+                f"num_replicas={self.num_replicas}), but only {nonzero} weights are "
+                f"positive"
             )
 
     def global_draw(self) -> torch.Tensor:
@@ -335,25 +368,28 @@ class WeightedShardSampler(_EpochSampler):
 
 
 class ShardedSampler(_EpochSampler):
-    """Distribute any deterministic sampler: every rank iterates it, pads it like ``DistributedSampler`` and strides.
+    """Distribute any deterministic sampler: every rank iterates it, pads it like
+    ``DistributedSampler`` and strides.
 
-    The wrapped sampler must yield the same sequence on every rank (a seeded generator, or no
-    randomness); an unseeded ``RandomSampler`` makes ranks overlap. ``set_epoch`` is passed on
-    to the wrapped sampler when it has one.
+    The wrapped sampler must yield the same sequence on every rank (a seeded generator,
+    or no randomness); an unseeded ``RandomSampler`` makes ranks overlap. ``set_epoch``
+    is passed on to the wrapped sampler when it has one.
     """
 
-    def __init__(self, sampler, num_replicas: int | None = None, rank: int | None = None,
-                 drop_last: bool = False) -> None:
+    def __init__(self, sampler, num_replicas: int | None = None,
+                 rank: int | None = None, drop_last: bool = False) -> None:
         if not hasattr(sampler, "__iter__"):
             raise TypeError(f"sampler must be iterable, got {type(sampler).__name__}")
         try:
             self.inner_len = len(sampler)
         except TypeError:
-            raise TypeError("sampler must have a length, so every rank knows its share before iterating") from None
+            raise TypeError("sampler must have a length, so every rank knows its share "
+                            "before iterating") from None
         super().__init__(num_replicas, rank, 0)
         self.sampler = sampler
         self.drop_last = check_bool("drop_last", drop_last)
-        self.num_samples = num_samples_per_rank(self.inner_len, self.num_replicas, self.drop_last)
+        self.num_samples = num_samples_per_rank(self.inner_len, self.num_replicas,
+                                                self.drop_last)
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
@@ -363,42 +399,51 @@ class ShardedSampler(_EpochSampler):
     def __iter__(self) -> Iterator[int]:
         order = torch.as_tensor(list(self.sampler), dtype=torch.int64)
         if len(order) != self.inner_len:
-            raise RuntimeError(f"the wrapped sampler yielded {len(order)} indices but its len() is {self.inner_len}")
-        return iter(stride_shard(order, self.num_replicas, self.rank, self.drop_last).tolist())
+            raise RuntimeError(f"the wrapped sampler yielded {len(order)} indices "
+                               f"but its len() is {self.inner_len}")
+        return iter(stride_shard(order, self.num_replicas, self.rank,
+                                 self.drop_last).tolist())
 
     def __len__(self) -> int:
         return self.num_samples
 
 
 class ClassBalancedBatchSampler(_EpochSampler):
-    """Batches of ``classes_per_batch`` classes x ``samples_per_class`` samples each, disjoint across ranks.
+    """Batches of ``classes_per_batch`` classes x ``samples_per_class`` samples each,
+    disjoint across ranks.
 
-    Each epoch, every class is shuffled and cut into chunks of ``samples_per_class`` (a class's
-    remainder waits for a later epoch, when the shuffle puts other samples last). Batches are formed
-    from chunks of distinct classes, always taking the classes with the most chunks left (ties
-    broken by the shared generator), which forms as many batches as possible. The batches are
-    shuffled and dealt round robin; every rank gets ``len(self)`` batches.
+    Each epoch, every class is shuffled and cut into chunks of ``samples_per_class`` (a
+    class's remainder waits for a later epoch, when the shuffle puts other samples
+    last). Batches are formed from chunks of distinct classes, always taking the classes
+    with the most chunks left (ties broken by the shared generator), which forms as many
+    batches as possible. The batches are shuffled and dealt round robin; every rank gets
+    ``len(self)`` batches.
     """
 
-    def __init__(self, labels: Sequence[int], classes_per_batch: int, samples_per_class: int,
-                 num_replicas: int | None = None, rank: int | None = None, seed: int = 0) -> None:
+    def __init__(self, labels: Sequence[int], classes_per_batch: int,
+                 samples_per_class: int, num_replicas: int | None = None,
+                 rank: int | None = None, seed: int = 0) -> None:
         self.labels = check_labels(labels)
-        self.classes_per_batch = check_int("classes_per_batch", classes_per_batch, minimum=1)
-        self.samples_per_class = check_int("samples_per_class", samples_per_class, minimum=1)
+        self.classes_per_batch = check_int("classes_per_batch", classes_per_batch,
+                                           minimum=1)
+        self.samples_per_class = check_int("samples_per_class", samples_per_class,
+                                           minimum=1)
         super().__init__(num_replicas, rank, seed)
         self.classes, counts = np.unique(self.labels, return_counts=True)
         self.chunks_per_class = counts // self.samples_per_class
         usable = int((self.chunks_per_class > 0).sum())
         if usable < self.classes_per_batch:
             raise ValueError(
-                f"classes_per_batch={self.classes_per_batch} needs that many classes with at least "
-                f"samples_per_class={self.samples_per_class} samples, but only {usable} have them"
+                f"classes_per_batch={self.classes_per_batch} needs that many classes "
+                f"with at least samples_per_class={self.samples_per_class} samples, "
+                f"but only {usable} have them"
             )
         self.num_batches_total = self._count_batches(self.chunks_per_class)
         self.num_batches = self.num_batches_total // self.num_replicas
         if self.num_batches == 0:
             raise ValueError(
-                f"only {self.num_batches_total} batches can be formed, fewer than num_replicas="
+                f"only {self.num_batches_total} batches can be formed, "
+                f"fewer than num_replicas="
                 f"{self.num_replicas}: use fewer classes or samples per batch"
             )
 
@@ -422,7 +467,8 @@ class ClassBalancedBatchSampler(_EpochSampler):
             members = np.flatnonzero(self.labels == c)
             members = members[torch.randperm(len(members), generator=g).numpy()]
             n_chunks = len(members) // self.samples_per_class
-            chunks.append([members[i * self.samples_per_class:(i + 1) * self.samples_per_class].tolist()
+            chunks.append([members[i * self.samples_per_class:
+                                   (i + 1) * self.samples_per_class].tolist()
                            for i in range(n_chunks)])
         tiebreak = torch.rand(len(chunks), generator=g).tolist()
         heap = [(-len(ch), tiebreak[c], c) for c, ch in enumerate(chunks) if ch]
@@ -439,7 +485,8 @@ class ClassBalancedBatchSampler(_EpochSampler):
 
     def __iter__(self) -> Iterator[list[int]]:
         batches = self.all_batches()
-        return iter(batches[self.rank:self.num_batches * self.num_replicas:self.num_replicas])
+        return iter(batches[self.rank:self.num_batches * self.num_replicas:
+                            self.num_replicas])
 
     def __len__(self) -> int:
         return self.num_batches

@@ -1,15 +1,19 @@
-"""Seeding for reproducible, non-repeating randomness across ranks, workers, epochs and restarts.
+"""Seeding for reproducible, non-repeating randomness across ranks, workers, epochs
+and restarts.
 
 Three rules, each backed by a chapter-5 demonstration:
 
-1. The *sampler's* seed is shared by all ranks (so shards partition the data); the seed of
-   everything else (augmentations, dropout) differs per rank: ``seed_everything(seed, rank)``.
-2. DataLoader workers get ``base_seed + worker_id`` from torch (for torch and ``random``; NumPy
-   gets a 128-bit seed mixed from both); an RNG *object* the data set built before the workers
-   started is copied into every worker and must be re-seeded there: ``worker_init_fn=seed_worker``
-   does it for data sets with a ``reseed(seed)`` method, and leaves torch's seeding alone.
-3. Randomness that must not depend on the number of workers, on ``persistent_workers`` or on a
-   restart is drawn from a generator keyed by ``(seed, epoch, index)``: ``sample_generator``.
+1. The *sampler's* seed is shared by all ranks (so shards partition the data); the seed
+   of everything else (augmentations, dropout) differs per
+   rank: ``seed_everything(seed, rank)``.
+2. DataLoader workers get ``base_seed + worker_id`` from torch (for torch and
+   ``random``; NumPy gets a 128-bit seed mixed from both); an RNG *object* the data set
+   built before the workers started is copied into every worker and must be re-seeded
+   there: ``worker_init_fn=seed_worker`` does it for data sets with a ``reseed(seed)``
+   method, and leaves torch's seeding alone.
+3. Randomness that must not depend on the number of workers, on ``persistent_workers``
+   or on a restart is drawn from a generator keyed by
+   ``(seed, epoch, index)``: ``sample_generator``.
 """
 
 from __future__ import annotations
@@ -23,14 +27,16 @@ from torch.utils.data import get_worker_info
 
 from ._checks import check_int
 
-__all__ = ["derive_seed", "seed_everything", "seed_worker", "loader_seed_kwargs", "sample_generator"]
+__all__ = ["derive_seed", "seed_everything", "seed_worker", "loader_seed_kwargs",
+           "sample_generator"]
 
 
 def derive_seed(*keys: int) -> int:
-    """A 63-bit seed mixed from non-negative integer keys, so nearby keys give unrelated streams.
+    """A 63-bit seed mixed from non-negative integer keys, so nearby keys give
+    unrelated streams.
 
-    ``derive_seed(seed, rank)`` instead of ``seed + rank``: with plain addition, seed 1 on rank 0
-    and seed 0 on rank 1 would share a stream.
+    ``derive_seed(seed, rank)`` instead of ``seed + rank``: with plain addition, seed 1
+    on rank 0 and seed 0 on rank 1 would share a stream.
     """
     if not keys:
         raise ValueError("derive_seed needs at least one key")
@@ -71,15 +77,18 @@ def seed_worker(worker_id: int) -> None:
 
 
 def loader_seed_kwargs(seed: int, rank: int = 0) -> dict[str, Any]:
-    """DataLoader keyword arguments for a reproducible loader: ``generator`` and ``worker_init_fn``.
+    """DataLoader keyword arguments for a reproducible loader: ``generator``
+    and ``worker_init_fn``.
 
-    The generator decides the workers' base seed (and the order, for ``shuffle=True``); it is
-    seeded per rank, so that rank r's worker k and rank s's worker k draw different streams.
+    The generator decides the workers' base seed (and the order, for ``shuffle=True``);
+    it is seeded per rank, so that rank r's worker k and rank s's worker k draw
+    different streams.
     """
-    return {"generator": torch.Generator().manual_seed(derive_seed(seed, rank)), "worker_init_fn": seed_worker}
+    return {"generator": torch.Generator().manual_seed(derive_seed(seed, rank)),
+            "worker_init_fn": seed_worker}
 
 
 def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
-    """A torch generator keyed by ``(seed, epoch, index)``: the same draws for a sample in an epoch,
-    whichever worker, rank or restarted process loads it."""
+    """A torch generator keyed by ``(seed, epoch, index)``: the same draws for a sample
+    in an epoch, whichever worker, rank or restarted process loads it."""
     return torch.Generator().manual_seed(derive_seed(seed, epoch, index))

@@ -1,18 +1,23 @@
-"""Train a CNN on CIFAR-10 with DistributedDataParallel: one script for a laptop, a GPU server and a cluster.
+"""Train a CNN on CIFAR-10 with DistributedDataParallel: one script for a laptop, a GPU
+server and a cluster.
 
-    python -m utils.train_cifar10 --data data --synthetic                    # one process
-    torchrun --standalone --nproc_per_node=N -m utils.train_cifar10 ...      # one node, N processes
+    # one process
+    python -m utils.train_cifar10 --data data --synthetic
+    # one node, N processes
+    torchrun --standalone --nproc_per_node=N -m utils.train_cifar10 ...
+    # M nodes
     torchrun --nnodes=M --nproc_per_node=N --rdzv-backend=c10d \\
-             --rdzv-endpoint=HOST:PORT -m utils.train_cifar10 ...            # M nodes
+             --rdzv-endpoint=HOST:PORT -m utils.train_cifar10 ...
 
-``RANK`` in the environment (set by torchrun) makes it a distributed run: ``nccl`` with CUDA, ``gloo``
-without (or with ``--device cpu``), one GPU per local rank. Local rank 0 of each node prepares the
-data. Rank 0 alone logs (a progress bar with images/s, and a JSON-lines metrics file), writes
-checkpoints (atomically) and decides whether to resume, for everyone. ``--global-batch`` is split
-over the processes and every global batch is the same block of the epoch's order whatever their
-number, so a run may resume on another number of processes. Every random choice is a function of
-the seed, the epoch and the sample index (augmentations), or of the seed, step and rank (anything
-a model draws), so a run killed and resumed from a checkpoint, on any number of workers, ends
+``RANK`` in the environment (set by torchrun) makes it a distributed run: ``nccl`` with
+CUDA, ``gloo`` without (or with ``--device cpu``), one GPU per local rank. Local rank 0
+of each node prepares the data. Rank 0 alone logs (a progress bar with images/s, and a
+JSON-lines metrics file), writes checkpoints (atomically) and decides whether to resume,
+for everyone. ``--global-batch`` is split over the processes and every global batch is
+the same block of the epoch's order whatever their number, so a run may resume on
+another number of processes. Every random choice is a function of the seed, the epoch
+and the sample index (augmentations), or of the seed, step and rank (anything a model
+draws), so a run killed and resumed from a checkpoint, on any number of workers, ends
 with the same parameters as one that never stopped.
 """
 
@@ -31,7 +36,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
-from .data import download_cifar10, is_synthetic_cifar10, load_cifar10, write_synthetic_cifar10
+from .data import (download_cifar10, is_synthetic_cifar10, load_cifar10,
+                   write_synthetic_cifar10)
 from .devices import collective_device
 from .metrics import EvalShardSampler, sum_over_ranks
 from .samplers import ShardSampler
@@ -43,54 +49,78 @@ CHECKPOINT = "checkpoint.pt"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m utils.train_cifar10", description=__doc__.splitlines()[0])
-    p.add_argument("--data", default="data", help="folder holding cifar-10-batches-py (default: data)")
-    p.add_argument("--download", action="store_true", help="download the real CIFAR-10 into --data (needs a network)")
+    # the docstring's first paragraph (argparse re-flows it onto one line)
+    p = argparse.ArgumentParser(prog="python -m utils.train_cifar10",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default="data",
+                   help="folder holding cifar-10-batches-py (default: data)")
+    p.add_argument("--download", action="store_true",
+                   help="download the real CIFAR-10 into --data (needs a network)")
     p.add_argument("--synthetic", action="store_true",
-                   help="if --data holds no CIFAR-10, write the small generated stand-in there (no network needed)")
-    p.add_argument("--synthetic-size", type=int, nargs=2, default=[5000, 1000], metavar=("TRAIN", "TEST"))
+                   help="if --data holds no CIFAR-10, write the small generated "
+                        "stand-in there (no network needed)")
+    p.add_argument("--synthetic-size", type=int, nargs=2, default=[5000, 1000],
+                   metavar=("TRAIN", "TEST"))
     p.add_argument("--model", choices=["simplecnn", "resnet18"], default="simplecnn")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--global-batch", type=int, default=256,
-                   help="images per optimizer step over all processes; each process takes global-batch / world size")
-    p.add_argument("--lr", type=float, default=0.05, help="peak learning rate (one-cycle schedule)")
+                   help="images per optimizer step over all processes; each process "
+                        "takes global-batch / world size")
+    p.add_argument("--lr", type=float, default=0.05,
+                   help="peak learning rate (one-cycle schedule)")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=5e-4)
-    p.add_argument("--workers", type=int, default=2, help="DataLoader workers per process")
+    p.add_argument("--workers", type=int, default=2,
+                   help="DataLoader workers per process")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="auto: CUDA (nccl) when available, else CPU (gloo); cpu: gloo even on a GPU machine")
+                   help="auto: CUDA (nccl) when available, else CPU (gloo); "
+                        "cpu: gloo even on a GPU machine")
     p.add_argument("--amp", action="store_true", help="bf16 autocast (CUDA only)")
-    p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across GPUs (CUDA only)")
+    p.add_argument("--sync-bn", action="store_true",
+                   help="SyncBatchNorm across GPUs (CUDA only)")
     p.add_argument("--deterministic", action="store_true",
-                   help="deterministic algorithms and fixed DDP buckets: bit-identical restarts (slower)")
-    p.add_argument("--out", default="runs/cifar10", help="folder for metrics.jsonl and checkpoints")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: at epoch ends)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt if rank 0 finds it")
+                   help="deterministic algorithms and fixed DDP buckets: "
+                        "bit-identical restarts (slower)")
+    p.add_argument("--out", default="runs/cifar10",
+                   help="folder for metrics.jsonl and checkpoints")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="save every N steps (0: at epoch ends)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT/checkpoint.pt if rank 0 finds it")
     p.add_argument("--fail-at-step", type=int, default=-1,
-                   help="(testing) the last rank dies at the start of this step (from 1), once: no rank completes it")
+                   help="(testing) the last rank dies at the start of this step "
+                        "(from 1), once: no rank completes it")
     p.add_argument("--stop-at-step", type=int, default=-1,
-                   help="stop after this step with a checkpoint, as a job whose time is up (resume with --resume)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+                   help="stop after this step with a checkpoint, as a job whose time "
+                        "is up (resume with --resume)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (logs only)")
     args = p.parse_args(argv)
     for name in ("epochs", "global_batch"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+            p.error(f"--{name.replace('_', '-')} must be at least 1, "
+                    f"got {getattr(args, name)}")
     for name in ("workers", "seed", "checkpoint_every"):
         if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
+            p.error(f"--{name.replace('_', '-')} must be 0 or more, "
+                    f"got {getattr(args, name)}")
     if not args.lr > 0:
         p.error(f"--lr must be positive, got {args.lr}")
     if min(args.synthetic_size) < 5:
-        p.error(f"--synthetic-size needs two numbers of at least 5, got {args.synthetic_size}")
+        p.error(f"--synthetic-size needs two numbers of at least 5, "
+                f"got {args.synthetic_size}")
     return args
 
 
 def check_gpus(local_world_size: int, device_count: int) -> None:
-    """One GPU per process: refuse to start more processes on a node than it has GPUs."""
+    """One GPU per process: refuse to start more processes on a node than it
+    has GPUs."""
     if local_world_size > device_count:
-        raise SystemExit(f"error: {local_world_size} processes on this node but only {device_count} GPUs; "
-                         f"use --nproc_per_node={device_count} or fewer, or --device cpu")
+        raise SystemExit(f"error: {local_world_size} processes on this node "
+                         f"but only {device_count} GPUs; "
+                         f"use --nproc_per_node={device_count} or fewer, "
+                         f"or --device cpu")
 
 
 def per_process_batch(global_batch: int, world_size: int) -> int:
@@ -98,27 +128,33 @@ def per_process_batch(global_batch: int, world_size: int) -> int:
     if global_batch % world_size:
         below = global_batch // world_size * world_size
         nearest = f"{below} or {below + world_size}" if below else f"{world_size}"
-        raise SystemExit(f"error: --global-batch {global_batch} does not split evenly over {world_size} processes; "
+        raise SystemExit(f"error: --global-batch {global_batch} does not split evenly "
+                         f"over {world_size} processes; "
                          f"use a multiple of {world_size} (e.g. {nearest})")
     return global_batch // world_size
 
 
 def eval_workers(workers: int) -> int:
-    """DataLoader workers of the test loader: at most 2 (a small set), persistent like the training ones.
+    """DataLoader workers of the test loader: at most 2 (a small set), persistent like
+    the training ones.
 
     They sit idle while the training workers run, but they are processes: a node runs
-    ``processes per node x (1 + workers + eval_workers(workers))`` of them (chapter 10's CPU budget).
+    ``processes per node x (1 + workers + eval_workers(workers))`` of them (chapter 10's
+    CPU budget).
     """
     return min(workers, 2)
 
 
 def one_cycle(optimizer: torch.optim.Optimizer, peak_lr: float, total_steps: int):
-    """The schedule: warm-up from ``peak_lr / 25`` to ``peak_lr`` over the first quarter, then down to ~0.
+    """The schedule: warm-up from ``peak_lr / 25`` to ``peak_lr`` over the first
+    quarter, then down to ~0.
 
-    ``--lr`` is the peak for ``--global-batch``, whatever the number of processes (chapter 4).
-    cycle_momentum=False: OneCycleLR would otherwise overwrite --momentum with its own 0.85-0.95 cycle.
+    ``--lr`` is the peak for ``--global-batch``, whatever the number of processes
+    (chapter 4). cycle_momentum=False: OneCycleLR would otherwise overwrite --momentum
+    with its own 0.85-0.95 cycle.
     """
-    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=peak_lr, total_steps=total_steps,
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=peak_lr,
+                                               total_steps=total_steps,
                                                pct_start=0.25, cycle_momentum=False)
 
 
@@ -147,10 +183,12 @@ def init_process_group(backend: str, device: torch.device | None = None) -> None
 
 
 def setup_distributed(device_choice: str) -> tuple[bool, int, int, int, torch.device]:
-    """``(ddp, rank, local_rank, world_size, device)``; ``RANK`` in the environment means torchrun started us."""
+    """``(ddp, rank, local_rank, world_size, device)``; ``RANK`` in the environment
+    means torchrun started us."""
     cuda_available = torch.cuda.is_available()
     if device_choice == "cuda" and not cuda_available:
-        raise SystemExit("error: --device cuda, but torch.cuda.is_available() is False here; use --device cpu or auto")
+        raise SystemExit("error: --device cuda, but torch.cuda.is_available() is False "
+                         "here; use --device cpu or auto")
     cuda = device_choice == "cuda" or (device_choice == "auto" and cuda_available)
     ddp = "RANK" in os.environ
     local_rank = int(os.environ.get("LOCAL_RANK", 0)) if ddp else 0
@@ -158,22 +196,27 @@ def setup_distributed(device_choice: str) -> tuple[bool, int, int, int, torch.de
     if not ddp:
         return False, 0, 0, 1, device
     if cuda:
-        check_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
-        torch.cuda.set_device(device)  # one GPU per process, before anything touches CUDA
+        check_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                   torch.cuda.device_count())
+        # one GPU per process, before anything touches CUDA
+        torch.cuda.set_device(device)
     init_process_group("nccl" if cuda else "gloo", device)
     return True, dist.get_rank(), local_rank, dist.get_world_size(), device
 
 
 def prepare_data(args, local_rank: int, ddp: bool) -> None:
-    """Local rank 0 of *each node* downloads or writes the data; everyone waits for all nodes.
+    """Local rank 0 of *each node* downloads or writes the data; everyone waits for
+    all nodes.
 
-    Nodes may not share a disk, so preparing it on global rank 0 alone would leave the other nodes
-    without data. On a shared file system the nodes race to the same folder, which is safe: both
-    writers put their files in a temporary folder and rename it into place, and the first wins.
+    Nodes may not share a disk, so preparing it on global rank 0 alone would leave the
+    other nodes without data. On a shared file system the nodes race to the same folder,
+    which is safe: both writers put their files in a temporary folder and rename it into
+    place, and the first wins.
     """
     folder = os.path.join(args.data, "cifar-10-batches-py")
     if not os.path.isdir(folder) and not args.download and not args.synthetic:
-        raise SystemExit(f"error: no CIFAR-10 in {args.data!r}; pass --download (needs a network) "
+        raise SystemExit(f"error: no CIFAR-10 in {args.data!r}; "
+                         "pass --download (needs a network) "
                          "or --synthetic (writes a small generated stand-in)")
     if local_rank == 0 and not os.path.isdir(folder):
         if args.download:
@@ -187,25 +230,30 @@ def prepare_data(args, local_rank: int, ddp: bool) -> None:
 def check_same_data(train_set, test_set, synthetic: bool, ddp: bool) -> None:
     """Stop every rank with a message if the nodes' copies of the data differ.
 
-    A node-local ``--data`` may hold leftovers (another ``--synthetic-size``, or the real data on one
-    node and the stand-in on another); different lengths would give ranks different numbers of
-    steps, and a hang at the first collective one rank does not reach.
+    A node-local ``--data`` may hold leftovers (another ``--synthetic-size``, or the
+    real data on one node and the stand-in on another); different lengths would give
+    ranks different numbers of steps, and a hang at the first collective one rank does
+    not reach.
     """
     if not ddp:
         return
-    fingerprint = [len(train_set), len(test_set), int(synthetic), int(train_set.data[:: max(1, len(train_set) // 97)].sum()),
+    fingerprint = [len(train_set), len(test_set), int(synthetic),
+                   int(train_set.data[:: max(1, len(train_set) // 97)].sum()),
                    int(sum(train_set.targets))]
     mine = torch.tensor(fingerprint, dtype=torch.int64, device=collective_device())
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    differ = [r for r, other in enumerate(everyone) if not torch.equal(other, everyone[0])]
+    differ = [r for r, other in enumerate(everyone)
+              if not torch.equal(other, everyone[0])]
     if differ:
-        raise SystemExit(f"error: the data differs between ranks 0 and {differ} (train images, test images, synthetic, "
-                         f"checksums: {everyone[0].tolist()} against {everyone[differ[0]].tolist()}); give every node "
+        raise SystemExit(f"error: the data differs between ranks 0 and {differ} "
+                         f"(train images, test images, synthetic, "
+                         f"checksums: {everyone[0].tolist()} against "
+                         f"{everyone[differ[0]].tolist()}); give every node "
                          "the same --data (or remove a node's stale copy)")
 
 
-# --- models -------------------------------------------------------------------------------------
+# --- models ---------------------------------------------------------------------------
 
 class SimpleCNN(nn.Module):
     """The seed tutorial's network: two conv layers and two linear ones."""
@@ -228,32 +276,37 @@ def make_model(name: str) -> nn.Module:
         return SimpleCNN()
     from torchvision.models import resnet18
 
-    model = resnet18(num_classes=10)  # CIFAR stem: 3x3 convolution, no max-pool, for 32x32 images
+    # CIFAR stem: 3x3 convolution, no max-pool, for 32x32 images
+    model = resnet18(num_classes=10)
     model.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
     model.maxpool = nn.Identity()
-    model.avgpool = GlobalAvgPool()  # same function; its backward has no atomics, so it is deterministic
+    # same function; its backward has no atomics, so it is deterministic
+    model.avgpool = GlobalAvgPool()
     return model
 
 
 class GlobalAvgPool(nn.Module):
-    """``AdaptiveAvgPool2d(1)`` as a mean: CUDA has no deterministic kernel for the former's backward."""
+    """``AdaptiveAvgPool2d(1)`` as a mean: CUDA has no deterministic kernel for the
+    former's backward."""
 
     def forward(self, x):
         return x.mean((2, 3), keepdim=True)
 
 
-# --- data: augmentation keyed by (seed, epoch, index) ----------------------------------------------
+# --- data: augmentation keyed by (seed, epoch, index) ---------------------------------
 
 class KeyedAugment(Dataset):
-    """Random crop (padding 4) and horizontal flip drawn from a generator keyed by (seed, epoch, index).
+    """Random crop (padding 4) and horizontal flip drawn from a generator keyed by
+    (seed, epoch, index).
 
-    Indices arrive as ``(epoch, index)`` pairs from ``EpochSampler``, so the same sample gets the
-    same augmentation in a given epoch whichever worker, rank or restarted process loads it.
+    Indices arrive as ``(epoch, index)`` pairs from ``EpochSampler``, so the same sample
+    gets the same augmentation in a given epoch whichever worker, rank or restarted
+    process loads it.
     """
 
     def __init__(self, base, seed: int, train: bool):
-        # Keep the arrays, not torchvision's object: workers started with spawn (macOS, Windows)
-        # receive this data set pickled, and a plain array pickles anywhere.
+        # Keep the arrays, not torchvision's object: workers started with spawn (macOS,
+        # Windows) receive this data set pickled, and a plain array pickles anywhere.
         self.data, self.targets = base.data, list(base.targets)
         self.seed, self.train = seed, train
         self.mean = torch.tensor(CIFAR_MEAN).view(3, 1, 1)
@@ -275,12 +328,14 @@ class KeyedAugment(Dataset):
 
 
 class EpochSampler(ShardSampler):
-    """ShardSampler that yields ``(epoch, index)`` for this rank's positions ``start`` to ``stop``.
+    """ShardSampler that yields ``(epoch, index)`` for this rank's positions ``start``
+    to ``stop``.
 
-    ShardSampler deals the epoch's order round robin, so with a per-rank batch ``b`` step ``k`` of
-    every rank together covers positions ``[k*G, (k+1)*G)`` of the order, ``G = b * world_size``:
-    a global batch does not depend on the number of processes, and a run can resume on another
-    number of them. ``stop`` cuts the epoch at a whole number of global batches (no padded copies).
+    ShardSampler deals the epoch's order round robin, so with a per-rank batch ``b``
+    step ``k`` of every rank together covers positions ``[k*G, (k+1)*G)`` of the order,
+    ``G = b * world_size``: a global batch does not depend on the number of processes,
+    and a run can resume on another number of them. ``stop`` cuts the epoch at a whole
+    number of global batches (no padded copies).
     """
 
     def __init__(self, *args, **kwargs):
@@ -292,13 +347,14 @@ class EpochSampler(ShardSampler):
         self.start, self.stop = start, self.num_samples if stop is None else stop
 
     def __iter__(self):
-        return iter([(self.epoch, i) for i in self.indices()[self.start:self.stop].tolist()])
+        return iter([(self.epoch, i)
+                     for i in self.indices()[self.start:self.stop].tolist()])
 
     def __len__(self):
         return max(0, min(self.stop, self.num_samples) - self.start)
 
 
-# --- checkpoints ------------------------------------------------------------------------------
+# --- checkpoints ----------------------------------------------------------------------
 
 def save_checkpoint(path: str, state: dict) -> None:
     """Write to a temporary file, flush it to disk, then rename it over ``path``.
@@ -317,49 +373,64 @@ def save_checkpoint(path: str, state: dict) -> None:
 
 
 FORMAT = "utils.train_cifar10/2"
-# What a resumed run must repeat: each decides the model or the schedule of optimizer steps.
-RUN_SETTINGS = ("model", "epochs", "global_batch", "lr", "momentum", "weight_decay", "seed", "data_size")
+# What a resumed run must repeat: each decides the model or the schedule of
+# optimizer steps.
+RUN_SETTINGS = ("model", "epochs", "global_batch", "lr", "momentum", "weight_decay",
+                "seed", "data_size")
 
 
 def run_config(args, data_size: int) -> dict:
-    return {"model": args.model, "epochs": args.epochs, "global_batch": args.global_batch, "lr": args.lr,
-            "momentum": args.momentum, "weight_decay": args.weight_decay, "seed": args.seed, "data_size": data_size}
+    return {"model": args.model, "epochs": args.epochs,
+            "global_batch": args.global_batch, "lr": args.lr,
+            "momentum": args.momentum, "weight_decay": args.weight_decay,
+            "seed": args.seed, "data_size": data_size}
 
 
 def load_checkpoint(path: str, config: dict) -> dict:
-    """Load with ``weights_only=True``; refuse files that are unreadable, not ours, or from another run.
+    """Load with ``weights_only=True``; refuse files that are unreadable, not ours, or
+    from another run.
 
-    A resumed run must continue the same schedule: the one-cycle learning rate is laid out over
-    ``epochs x steps per epoch`` steps and the sample order follows the seed, so a different
-    ``--epochs``, ``--lr``, ``--global-batch``, ``--seed`` or model is refused with the differences
-    listed. ``--workers``, ``--device`` and the number of processes may change.
+    A resumed run must continue the same schedule: the one-cycle learning rate is laid
+    out over ``epochs x steps per epoch`` steps and the sample order follows the seed,
+    so a different ``--epochs``, ``--lr``, ``--global-batch``, ``--seed`` or model is
+    refused with the differences listed. ``--workers``, ``--device`` and the number of
+    processes may change.
     """
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise SystemExit(f"error: cannot read checkpoint {path}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
-    expected = {"format", "model", "optimizer", "scheduler", "epoch", "step_in_epoch", "step", "config"}
-    if not isinstance(state, dict) or not expected <= set(state) or not str(state["format"]).startswith("utils.train_cifar10/"):
-        raise SystemExit(f"error: {path} is not a checkpoint written by utils.train_cifar10")
+        raise SystemExit(f"error: cannot read checkpoint {path}: "
+                         f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+    expected = {"format", "model", "optimizer", "scheduler", "epoch", "step_in_epoch",
+                "step", "config"}
+    if (not isinstance(state, dict) or not expected <= set(state)
+            or not str(state["format"]).startswith("utils.train_cifar10/")):
+        raise SystemExit(f"error: {path} is not a checkpoint written by "
+                         f"utils.train_cifar10")
     if state["format"] != FORMAT:
-        raise SystemExit(f"error: {path} was written by another version of this script ({state['format']}, "
-                         f"this one reads {FORMAT}); start a new run with another --out")
+        raise SystemExit(f"error: {path} was written by another version of this script "
+                         f"({state['format']}, this one reads {FORMAT}); "
+                         f"start a new run with another --out")
     saved = state["config"]
-    changed = [f"--{k.replace('_', '-')} {config[k]} (checkpoint: {saved.get(k)})" for k in RUN_SETTINGS
-               if saved.get(k) != config[k]]
+    changed = [f"--{k.replace('_', '-')} {config[k]} (checkpoint: {saved.get(k)})"
+               for k in RUN_SETTINGS if saved.get(k) != config[k]]
     if changed:
-        raise SystemExit(f"error: cannot resume {path}: " + ", ".join(changed).replace("--data-size", "data set size")
-                         + ". A resumed run continues the same schedule; repeat the checkpoint's values, or start"
+        raise SystemExit(f"error: cannot resume {path}: "
+                         + ", ".join(changed).replace("--data-size", "data set size")
+                         + ". A resumed run continues the same schedule; repeat the "
+                         "checkpoint's values, or start"
                          " a new run with another --out")
     return state
 
 
 def agree_on_resume(path: str, config: dict, rank: int, ddp: bool) -> dict | None:
-    """Rank 0 alone looks for the checkpoint and reads it; every rank gets what it found.
+    """Rank 0 alone looks for the checkpoint and reads it; every rank gets what
+    it found.
 
-    Deciding on each rank would let a node that cannot see the file (a node-local --out, or a stale
-    NFS attribute cache) start from scratch while the others resume, and the job would train on
-    mismatched states or hang. A refusal on rank 0 stops every rank with the same message.
+    Deciding on each rank would let a node that cannot see the file (a node-local --out,
+    or a stale NFS attribute cache) start from scratch while the others resume, and the
+    job would train on mismatched states or hang. A refusal on rank 0 stops every rank
+    with the same message.
     """
     found = None
     if rank == 0 and os.path.exists(path):
@@ -376,7 +447,7 @@ def agree_on_resume(path: str, config: dict, rank: int, ddp: bool) -> dict | Non
     return None if found is None else found[1]
 
 
-# --- training -----------------------------------------------------------------------------------
+# --- training -------------------------------------------------------------------------
 
 def evaluate(model: nn.Module, loader, device) -> float:
     """Exact test accuracy of rank 0's model: uneven shards, no padding (chapter 8).
@@ -403,8 +474,10 @@ def evaluate(model: nn.Module, loader, device) -> float:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: cuBLAS needs it
-        # warn_only: an op with no deterministic CUDA kernel warns (and names itself) instead of stopping
+        # before CUDA starts: cuBLAS needs it
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        # warn_only: an op with no deterministic CUDA kernel warns (and names itself)
+        # instead of stopping
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
 
@@ -420,18 +493,25 @@ def main(argv=None) -> None:
     prepare_data(args, local_rank, ddp)
     synthetic = is_synthetic_cifar10(args.data)
     train_set = KeyedAugment(load_cifar10(args.data, train=True), args.seed, train=True)
-    test_set = KeyedAugment(load_cifar10(args.data, train=False), args.seed, train=False)
+    test_set = KeyedAugment(load_cifar10(args.data, train=False), args.seed,
+                            train=False)
     check_same_data(train_set, test_set, synthetic, ddp)
-    steps_per_epoch = len(train_set) // args.global_batch  # whole global batches: the same on any world size
+    # whole global batches: the same on any world size
+    steps_per_epoch = len(train_set) // args.global_batch
     if steps_per_epoch == 0:
-        raise SystemExit(f"error: {len(train_set)} training images is less than one global batch of {args.global_batch}")
+        raise SystemExit(f"error: {len(train_set)} training images is less than one "
+                         f"global batch of {args.global_batch}")
     sampler = EpochSampler(train_set, world_size, rank, shuffle=True, seed=args.seed)
-    loader_kwargs = dict(num_workers=args.workers, pin_memory=cuda, persistent_workers=args.workers > 0)
-    train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True, **loader_kwargs)
-    test_loader = DataLoader(test_set, batch_size=512, sampler=EvalShardSampler(test_set, world_size, rank),
-                             **{**loader_kwargs, "num_workers": eval_workers(args.workers)})
+    loader_kwargs = dict(num_workers=args.workers, pin_memory=cuda,
+                         persistent_workers=args.workers > 0)
+    train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler,
+                              drop_last=True, **loader_kwargs)
+    test_loader = DataLoader(test_set, batch_size=512,
+                             sampler=EvalShardSampler(test_set, world_size, rank),
+                             **{**loader_kwargs,
+                                "num_workers": eval_workers(args.workers)})
 
-    # --- model, optimizer, schedule; then the checkpoint, if any, before the DDP wrap ---
+    # --- model, optimizer, schedule; then the checkpoint, if any, before the DDP wrap
     torch.manual_seed(args.seed)  # one seed where ranks must agree: the initial weights
     model = make_model(args.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
@@ -443,57 +523,74 @@ def main(argv=None) -> None:
     epoch, step_in_epoch, step = 0, 0, 0
     state = agree_on_resume(ckpt_path, config, rank, ddp) if args.resume else None
     if args.resume and state is None and master:
-        print(f"--resume: rank 0 found no checkpoint at {ckpt_path}; starting from step 0", flush=True)
+        print(f"--resume: rank 0 found no checkpoint at {ckpt_path}; "
+              f"starting from step 0", flush=True)
     if state is not None:
         model.load_state_dict(state["model"])
-        epoch, step_in_epoch, step = state["epoch"], state["step_in_epoch"], state["step"]
+        epoch, step_in_epoch, step = (state["epoch"], state["step_in_epoch"],
+                                      state["step"])
     model = model.to(device)
     if state is not None:
-        optimizer.load_state_dict(state["optimizer"])  # after .to(device): moves its buffers there too
+        # after .to(device): moves its buffers there too
+        optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         if master:
-            print(f"resumed from {ckpt_path}: epoch {epoch}, step {step_in_epoch} of the epoch ({step} in all)", flush=True)
+            print(f"resumed from {ckpt_path}: epoch {epoch}, step {step_in_epoch} "
+                  f"of the epoch ({step} in all)", flush=True)
     if args.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     raw_model = model
     if ddp:
-        # DDP regroups gradients into new buckets after its first step, so a restarted process's
-        # first step would sum them over 3 or more ranks in another order than the uninterrupted
-        # run did, and differ in the last bits. DDP does not regroup when it looks for unused
-        # parameters: --deterministic pays that (a graph traversal per step) for exact restarts.
+        # DDP regroups gradients into new buckets after its first step, so a restarted
+        # process's first step would sum them over 3 or more ranks in another order than
+        # the uninterrupted run did, and differ in the last bits. DDP does not regroup
+        # when it looks for unused parameters: --deterministic pays that (a graph
+        # traversal per step) for exact restarts.
         fixed_buckets = {"find_unused_parameters": True} if args.deterministic else {}
         model = DDP(model, device_ids=[local_rank] if cuda else None, **fixed_buckets)
 
     def checkpoint():
         if master:
             save_checkpoint(ckpt_path, {
-                "format": FORMAT, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "epoch": epoch, "step_in_epoch": step_in_epoch, "step": step,
+                "format": FORMAT, "model": raw_model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "epoch": epoch,
+                "step_in_epoch": step_in_epoch, "step": step,
                 "world_size": world_size, "config": config})
         if ddp:
-            dist.barrier()  # nobody runs ahead of a checkpoint that may be needed to restart them
+            # nobody runs ahead of a checkpoint that may be needed to restart them
+            dist.barrier()
 
-    metrics = open(os.path.join(args.out, "metrics.jsonl"), "a" if args.resume else "w") if master else None
+    metrics = (open(os.path.join(args.out, "metrics.jsonl"),
+                    "a" if args.resume else "w")
+               if master else None)
     if master:
-        print(f"{'synthetic' if synthetic else 'real'} CIFAR-10 in {args.data}: {len(train_set)} train, "
+        print(f"{'synthetic' if synthetic else 'real'} CIFAR-10 in {args.data}: "
+              f"{len(train_set)} train, "
               f"{len(test_set)} test images; {world_size} process(es), {device.type}, "
               f"{dist.get_backend() if ddp else 'no process group'}; "
-              f"global batch {args.global_batch} = {batch_size} x {world_size}", flush=True)
+              f"global batch {args.global_batch} = {batch_size} x {world_size}",
+              flush=True)
     restarts = int(os.environ.get("TRAIN_CIFAR10_ATTEMPT", 0))
 
     # --- the loop ---
     while epoch < args.epochs:
-        sampler.set_epoch(epoch, start=step_in_epoch * batch_size, stop=steps_per_epoch * batch_size)
+        sampler.set_epoch(epoch, start=step_in_epoch * batch_size,
+                          stop=steps_per_epoch * batch_size)
         bar = None
         if master and not args.no_progress:
             from tqdm import tqdm
-            bar = tqdm(total=steps_per_epoch, initial=step_in_epoch, desc=f"epoch {epoch}", unit="step",
-                       file=sys.stdout, mininterval=1.0)
+            bar = tqdm(total=steps_per_epoch, initial=step_in_epoch,
+                       desc=f"epoch {epoch}", unit="step", file=sys.stdout,
+                       mininterval=1.0)
         t0, seen, loss_sum, steps_run = time.perf_counter(), 0, 0.0, 0
         for x, y in train_loader:
-            if step + 1 == args.fail_at_step and rank == world_size - 1 and restarts == 0:
-                os._exit(1)  # a crash during this step, for the fault-tolerance test: no cleanup
-            # a seed per rank and step where ranks must differ (dropout, if a model had it), also after a resume
+            if (step + 1 == args.fail_at_step and rank == world_size - 1
+                    and restarts == 0):
+                # a crash during this step, for the fault-tolerance test: no cleanup
+                os._exit(1)
+            # a seed per rank and step where ranks must differ (dropout, if a model had
+            # it), also after a resume
             seed_everything(derive_seed(args.seed, step), rank)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
@@ -506,16 +603,19 @@ def main(argv=None) -> None:
             seen += len(x) * world_size
             loss_sum += loss.item()
             if bar is not None:
-                bar.set_postfix(loss=f"{loss.item():.3f}", img_s=f"{seen / (time.perf_counter() - t0):.0f}")
+                bar.set_postfix(loss=f"{loss.item():.3f}",
+                                img_s=f"{seen / (time.perf_counter() - t0):.0f}")
                 bar.update(1)
-            if args.checkpoint_every and step % args.checkpoint_every == 0 and step_in_epoch < steps_per_epoch:
+            if (args.checkpoint_every and step % args.checkpoint_every == 0
+                    and step_in_epoch < steps_per_epoch):
                 checkpoint()
             if step == args.stop_at_step:
                 break
         if bar is not None:
             bar.close()
         if step == args.stop_at_step and step_in_epoch < steps_per_epoch:
-            checkpoint()  # stopped mid-epoch, as a job whose time ran out: save where it stands
+            # stopped mid-epoch, as a job whose time ran out: save where it stands
+            checkpoint()
             break
         elapsed = time.perf_counter() - t0
         train_loss = sum_over_ranks(loss_sum, max(steps_run, 1))
@@ -523,9 +623,12 @@ def main(argv=None) -> None:
         epoch, step_in_epoch = epoch + 1, 0
         checkpoint()
         if master:
-            record = {"epoch": epoch, "step": step, "train_loss": round(train_loss[0] / train_loss[1], 4),
-                      "test_accuracy": round(accuracy, 4), "images_per_s": round(seen / elapsed, 1),
-                      "epoch_seconds": round(elapsed, 2), "world_size": world_size, "data": "synthetic" if synthetic else "cifar10",
+            record = {"epoch": epoch, "step": step,
+                      "train_loss": round(train_loss[0] / train_loss[1], 4),
+                      "test_accuracy": round(accuracy, 4),
+                      "images_per_s": round(seen / elapsed, 1),
+                      "epoch_seconds": round(elapsed, 2), "world_size": world_size,
+                      "data": "synthetic" if synthetic else "cifar10",
                       "model": args.model, "device": device.type}
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
@@ -536,7 +639,8 @@ def main(argv=None) -> None:
     if master:
         metrics.close()
         if epoch == args.epochs:
-            final = {k: v.cpu() for k, v in raw_model.state_dict().items()}  # loads anywhere, GPU or not
+            # loads anywhere, GPU or not
+            final = {k: v.cpu() for k, v in raw_model.state_dict().items()}
             torch.save(final, os.path.join(args.out, "model_final.pt"))
     if ddp:
         dist.destroy_process_group()
