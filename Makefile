@@ -5,7 +5,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: book test test-utils test-notebooks test-notebooks-spawn gpu-check bench clean
+.PHONY: book test test-utils test-notebooks test-notebooks-spawn test-browser \
+        gpu-check bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,10 +20,17 @@ book: $(STAMP)
 
 ## make test: the utils tests, then every notebook re-executed and compared strictly by nbval,
 ## then again, with `spawn` forced (as on macOS and Windows), the chapters that start workers
-test: test-utils test-notebooks test-notebooks-spawn
+## and last the built book, page by page, in a real browser (make test-browser)
+test: test-utils test-notebooks test-notebooks-spawn test-browser
 
 test-utils: $(STAMP)
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q --ignore=tests/browser
+
+## make test-browser: build the book, then check every page of it in headless Chromium
+## (/usr/bin/chromium, which .ci/run installs): tests/browser/book_check.py, which also
+## runs alone; screenshots of the pages go to _build/screenshots/
+test-browser: book
+	$(BIN)/python -m pytest tests/browser -q -rP
 
 NBVAL := -m pytest --nbval --nbval-current-env --nbval-sanitize-with sanitize.cfg -q -p no:cacheprovider
 

@@ -1,14 +1,14 @@
-"""Check the built book page by page in a real browser (headless Chromium, via Playwright).
+"""Check the built book page by page in a real browser (headless Chromium, Playwright).
 
 Serves a built book (default _build/html) on 127.0.0.1 and, for every page of _toc.yml,
 fails on: a page that does not load, a console error or page error, a failed local
 request, a request to another host (the book must work offline), an image that does not
 load or has no real alt text, a sidebar whose pages or captions differ from _toc.yml, an
 internal link or #anchor that does not resolve, a page or <pre> that scrolls sideways at
-1280 or 390 px, an 88-character line that does not fit a code block at 1280 px, and a <pre>
-clipped in print layout. Then: a search for `set_epoch` must list chapter 3, and
-/favicon.ico and the page's icon must load. A full-page screenshot of each page at 1280 px
-goes to _build/screenshots/. All failures are collected and reported together.
+1280 or 390 px, an 88-character line that does not fit a code block at 1280 px, and a
+<pre> clipped in print layout. Then: a search for `set_epoch` must list chapter 3, and
+/favicon.ico and the page's icon must load. A full-page screenshot of each page at
+1280 px goes to _build/screenshots/. All failures are collected and reported together.
 
     python tests/browser/book_check.py [--html DIR] [--toc FILE] [--screenshots DIR]
 
@@ -70,8 +70,8 @@ class Report:
     def summary(self) -> str:
         lines = [str(f) for f in self.failures]
         stats = ", ".join(f"{k} {v}" for k, v in self.stats.items())
-        lines.append(f"{len(self.pages)} pages checked in {self.seconds:.1f} s; {stats}; "
-                     f"{len(self.failures)} failures")
+        lines.append(f"{len(self.pages)} pages checked in {self.seconds:.1f} s; "
+                     f"{stats}; {len(self.failures)} failures")
         return "\n".join(lines)
 
 
@@ -84,7 +84,7 @@ class Toc:
 
 
 def html_path(entry: str) -> str:
-    """A _toc.yml file entry ('notebooks/01_samplers', 'book/intro.md') -> its html page."""
+    """A _toc.yml entry ('notebooks/01_samplers', 'book/intro.md') -> its html page."""
     entry = entry.strip().lstrip("/")
     stem, suffix = os.path.splitext(entry)
     return (stem if suffix in {".md", ".ipynb", ".rst"} else entry) + ".html"
@@ -142,7 +142,7 @@ def page_ids(path: pathlib.Path) -> frozenset[str]:
 
 
 def link_problem(html_root: pathlib.Path, url: str) -> str | None:
-    """Why a local URL (path relative to the build root, maybe #anchor) does not resolve."""
+    """Why a local URL (a path from the build root, maybe #anchor) does not resolve."""
     parts = urllib.parse.urlsplit(url)
     rel = urllib.parse.unquote(parts.path).lstrip("/")
     target = html_root / rel
@@ -163,8 +163,10 @@ def alt_problem(alt: str | None) -> str | None:
         return "has no alt text"
     if re.fullmatch(rf"[\w./\\-]+\.({IMAGE_SUFFIXES})", text, re.I):
         return f"has a file name as alt text ({text[:60]})"
-    token = re.fullmatch(r"\S{16,}", text) and re.search(r"\d", text)
-    if re.search(r"[0-9a-f]{12,}", text, re.I) or (token and re.search(r"[a-z]", text, re.I)):
+    # one long token of letters and digits, or a run of hex digits
+    token = re.fullmatch(r"\S{16,}", text) and re.search(r"\d", text) and re.search(
+        r"[a-z]", text, re.I)
+    if token or re.search(r"[0-9a-f]{12,}", text, re.I):
         return f"has a hash-like alt text ({text[:60]})"
     return None
 
@@ -176,10 +178,12 @@ def alt_problem(alt: str | None) -> str | None:
 JS_PRE = """([columns, whole]) => {
   const doc = document.documentElement;
   const label = (p) => (p.textContent.trim().split('\\n')[0] || '(empty)').slice(0, 60);
-  const pres = [...document.querySelectorAll('pre')].filter(p => p.offsetParent !== null);
+  const pres = [...document.querySelectorAll('pre')]
+    .filter(p => p.offsetParent !== null);
   const out = {pageScroll: doc.scrollWidth > doc.clientWidth + 1,
                pageWidth: doc.scrollWidth, viewWidth: doc.clientWidth,
-               wide: [], pres: pres.length, scrolls: [], clipped: [], wraps: 0, fit: null};
+               wide: [], pres: pres.length, scrolls: [], clipped: [], wraps: 0,
+               fit: null};
   if (out.pageScroll) {
     const shown = (e) => {  // not inside a box that scrolls or clips it
       for (let a = e.parentElement; a && a !== document.body; a = a.parentElement)
@@ -188,9 +192,11 @@ JS_PRE = """([columns, whole]) => {
     };
     for (const e of document.body.querySelectorAll('*')) {
       const r = e.getBoundingClientRect(), pr = e.parentElement.getBoundingClientRect();
-      if (r.right > doc.clientWidth + 1 && pr.right <= doc.clientWidth + 1 && shown(e))
-        out.wide.push(e.tagName.toLowerCase() + (e.className && e.className.baseVal === undefined
-          ? '.' + e.className.trim().split(/\\s+/).slice(0, 2).join('.') : ''));
+      if (r.right > doc.clientWidth + 1 && pr.right <= doc.clientWidth + 1 && shown(e)) {
+        const classes = typeof e.className === 'string' ? e.className.trim() : '';
+        out.wide.push(e.tagName.toLowerCase() +
+          (classes ? '.' + classes.split(/\\s+/).slice(0, 2).join('.') : ''));
+      }
       if (out.wide.length >= 3) break;
     }
   }
@@ -218,9 +224,9 @@ JS_PRE = """([columns, whole]) => {
     const s = getComputedStyle(code), probe = document.createElement('span');
     probe.textContent = 'M'.repeat(columns);
     code.appendChild(probe);
+    const padding = parseFloat(s.paddingLeft) + parseFloat(s.paddingRight);
     out.fit = {need: probe.getBoundingClientRect().width,
-               have: code.clientWidth - parseFloat(s.paddingLeft) - parseFloat(s.paddingRight),
-               font: s.fontSize};
+               have: code.clientWidth - padding, font: s.fontSize};
     probe.remove();
   }
   return out;
@@ -238,11 +244,13 @@ JS_SIDEBAR = """() => {
   const nav = document.querySelector('nav.bd-docs-nav');
   if (!nav) return null;
   return {links: [...nav.querySelectorAll('a[href]')].map(a => a.href),
-          captions: [...nav.querySelectorAll('.caption-text')].map(c => c.textContent.trim())};
+          captions: [...nav.querySelectorAll('.caption-text')]
+            .map(c => c.textContent.trim())};
 }"""
 
 JS_LINKS = "() => [...document.querySelectorAll('a[href]')].map(a => a.href)"
-JS_OPEN_DETAILS = "() => document.querySelectorAll('details').forEach(d => { d.open = true; })"
+JS_OPEN_DETAILS = "() => document.querySelectorAll('details')" \
+                  ".forEach(d => { d.open = true; })"
 # measured layouts must not be half-way through a theme's transition
 CSS_NO_MOTION = "*, *::before, *::after { transition: none !important; " \
                 "animation: none !important; }"
@@ -250,7 +258,7 @@ JS_SEARCH_DONE = """() => typeof Search !== 'undefined' && Search.status &&
   /finished|did not match/i.test(Search.status.innerText)"""
 
 
-# ---------------------------------------------------------------- the server and browser
+# ---------------------------------------------------------------- server and browser
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args):
@@ -278,8 +286,8 @@ def browser_context():
 
     if not CHROMIUM.exists():
         raise FileNotFoundError(
-            f"{CHROMIUM} not found: install Debian's chromium (apt-get install chromium), "
-            "as .ci/run does, or set BOOK_CHROMIUM to a Chromium binary")
+            f"{CHROMIUM} not found: install Debian's chromium (apt-get install "
+            "chromium), as .ci/run does, or set BOOK_CHROMIUM to a Chromium binary")
     with sync_playwright() as pw, tempfile.TemporaryDirectory() as profile:
         context = pw.chromium.launch_persistent_context(
             profile, executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True,
@@ -376,8 +384,8 @@ class _Checker:
                               f"at {width} px")
         page.emulate_media(media="print")
         page.set_viewport_size({"width": PRINT_WIDTH, "height": SCREEN_HEIGHT})
-        self.check_widths(page.evaluate(JS_PRE, [CODE_COLUMNS, False]), "in print layout",
-                          printed=True)
+        self.check_widths(page.evaluate(JS_PRE, [CODE_COLUMNS, False]),
+                          "in print layout", printed=True)
         page.emulate_media(media="screen")
 
     def check_images(self):
@@ -420,8 +428,9 @@ class _Checker:
 
     def check_widths(self, found: dict, where: str, printed: bool = False):
         if found["pageScroll"]:
-            self.fail(f"page scrolls sideways {where} ({found['pageWidth']} px wide in a "
-                      f"{found['viewWidth']} px window; widest: {', '.join(found['wide'])})")
+            self.fail(f"page scrolls sideways {where} ({found['pageWidth']} px wide in "
+                      f"a {found['viewWidth']} px window; widest: "
+                      f"{', '.join(found['wide'])})")
         verb = "clipped" if printed else "scrolling sideways"
         for labels, what in ((found["scrolls"], verb),
                              (found["clipped"], "cut by an overflow box")):
@@ -433,14 +442,15 @@ class _Checker:
             self.stats["pre blocks"] += found["pres"]
             self.stats["pre blocks wrapping at 1280 px"] += found["wraps"]
             if fit["need"] > fit["have"] + 0.5:
-                self.fail(f"an {CODE_COLUMNS}-character line needs {fit['need']:.0f} px "
-                          f"{where} but a code block has {fit['have']:.0f} px "
-                          f"(font {fit['font']})")
+                self.fail(f"an {CODE_COLUMNS}-character line needs "
+                          f"{fit['need']:.0f} px {where} but a code block has "
+                          f"{fit['have']:.0f} px (font {fit['font']})")
 
     # the site -----------------------------------------------------------------
     def check_search(self, query: str, expects: str):
         self.current = f"search.html?q={query}"
-        self.page.set_viewport_size({"width": SCREEN_WIDTHS[0], "height": SCREEN_HEIGHT})
+        self.page.set_viewport_size({"width": SCREEN_WIDTHS[0],
+                                     "height": SCREEN_HEIGHT})
         response = self.page.goto(self.base + self.current, wait_until="load")
         if not response or response.status != 200:
             self.fail(f"does not load (HTTP {response.status if response else None})")
@@ -451,7 +461,8 @@ class _Checker:
             self.fail(f"search did not finish ({type(exc).__name__})")
             return
         found = [self.rel(u).split("#")[0] for u in self.page.evaluate(
-            "() => [...document.querySelectorAll('#search-results a')].map(a => a.href)")]
+            "() => [...document.querySelectorAll('#search-results a')]"
+            ".map(a => a.href)")]
         if expects + ".html" not in found:
             self.fail(f"search for {query!r} does not list {expects} (found {found})")
         self.check_links()
@@ -461,7 +472,8 @@ class _Checker:
         with contextlib.suppress(Exception):
             self.page.goto(self.base + root_page, wait_until="load")
             icons += [self.rel(u) for u in self.page.evaluate(
-                "() => [...document.querySelectorAll('link[rel~=icon]')].map(l => l.href)")]
+                "() => [...document.querySelectorAll('link[rel~=icon]')]"
+                ".map(l => l.href)")]
         if len(icons) == 1:
             self.fail("no <link rel=icon> (favicon)", page=root_page)
         for icon in icons:
