@@ -124,6 +124,17 @@ def test_code_that_scrolls_or_is_cut_in_print_is_reported_without_the_books_css(
     assert any(r.startswith("an 88-character line needs") for r in reasons), reasons
 
 
+def test_a_search_that_misses_chapter_3_and_a_missing_favicon_are_reported(copy):
+    index = copy / "searchindex.js"
+    assert book_check.SEARCH_QUERY in index.read_text()
+    index.write_text(index.read_text().replace(book_check.SEARCH_QUERY, "set_epoxy"))
+    (copy / "favicon.ico").unlink()
+    reasons = [str(f) for f in check_book(copy, pages=[TOC.pages[0]]).failures]
+    missed = f"does not list {book_check.SEARCH_EXPECTS}"
+    assert any(missed in r for r in reasons), reasons
+    assert "favicon.ico: icon favicon.ico answers HTTP 404" in reasons
+
+
 def test_alt_text_must_describe_the_image():
     assert alt_problem("Two ranks' shards of 16 samples, epoch 0 and 1") is None
     assert alt_problem(None) == "has no alt text"
