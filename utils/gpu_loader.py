@@ -1,0 +1,391 @@
+"""A GPU-resident training loader: the whole uint8 data set on the device, augmentation
+as whole-batch tensor operations, every random choice keyed by ``(seed, epoch)``.
+
+The training set lives on the device as one uint8 tensor. Each epoch, this rank's
+batches are gathered from it by index, randomly cropped (``RandomCrop(size,
+padding=4)``, zero padding, as torchvision's) and flipped (``RandomHorizontalFlip``),
+converted to float and normalised, with a handful of kernels per batch and no host
+synchronisation. The same code runs on CPU tensors, which is how it is tested.
+
+Public names (stable; the benchmark and chapter 11 import them):
+
+- ``GPULoader(images, labels, batch_size, ...)``: the loader. ``set_epoch(epoch,
+  start_batch=0)`` then iterate: ``(images, labels)`` batches on the device, float32
+  ``(B, C, H, W)`` (``channels_last`` strides if asked) and int64 ``(B,)``.
+- ``augment_batch(data, indices, seed, epoch, ...)``: the batched augmentation of
+  ``data[indices]`` (``data``: ``(N, H, W, C)`` uint8 on any device).
+- ``reference_augment(image, seed, epoch, index, ...)``: the same augmentation for one
+  sample, written plainly; the tests compare the two image by image.
+- ``augment_draws(seed, epoch, indices, padding)``: the crop offsets and flips of many
+  samples, as tensors on ``indices``' device; ``sample_draws(seed, epoch, index,
+  padding)``: one sample's, as Python ints (the same values).
+- ``resident_bytes(images)``: the bytes the loader keeps on its device;
+  ``CIFAR_MEAN``, ``CIFAR_STD``: the default normalisation.
+
+Where each random choice comes from:
+
+- The order is ``ShardSampler``'s: a permutation drawn on the CPU from the generator
+  seeded with ``seed + epoch`` (as ``DistributedSampler`` does; a CUDA generator
+  would give another permutation), padded or cut and strided by rank, copied to the
+  device once per epoch. With ``batch_size`` per rank, batch ``k`` of all ranks
+  together covers positions ``[k*b*R, (k+1)*b*R)`` of the epoch's order.
+- The crop offsets and the flip of sample ``index`` in ``epoch`` are a hash of
+  ``(seed, epoch, index)``, computed with 64-bit integer tensor operations on the device
+  (exact, so the same on CPU and CUDA): no generator, no state, no dependence on the
+  batch size, the rank or what ran before. A run resumed mid-epoch
+  (``set_epoch(epoch, start_batch=k)``) yields exactly the batches an uninterrupted run
+  yields from batch ``k`` on.
+
+These draws differ from ``utils.train_cifar10.KeyedAugment``'s (one torch generator per
+sample, too slow for a whole epoch at GPU speed): the two loaders give the same
+distribution of augmentations but not the same images.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ._checks import check_bool, check_int, check_rank
+from .samplers import check_labels, check_seed_and_epoch, shard_indices
+from .seeding import derive_seed
+
+__all__ = ["GPULoader", "augment_batch", "reference_augment", "augment_draws",
+           "sample_draws", "resident_bytes", "CIFAR_MEAN", "CIFAR_STD"]
+
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+
+_M32 = 0xFFFFFFFF
+# lowbias32 (C. Wellons, hash-prospector): a bijection of 32-bit integers
+_C1, _C2 = 0x7FEB352D, 0x846CA68B
+_STREAM = 0x9E3779B9  # separates the three draws of a sample: dy, dx, flip
+_TAG = 0x6770755F6C6F6164  # "gpu_load": these keys differ from other derive_seed uses
+MAX_PADDING = 2**20
+
+
+# --- the draws: a hash of (seed, epoch, index) ----------------------------------------
+
+def _epoch_key(seed: int, epoch: int) -> tuple[int, int]:
+    """Two 32-bit keys for ``(seed, epoch)``, mixed once per epoch on the host."""
+    seed, epoch = check_seed_and_epoch(seed, epoch)
+    key = derive_seed(seed, epoch, _TAG)
+    return key & _M32, key >> 32
+
+
+def _mix_int(x: int) -> int:
+    """lowbias32 on a Python int in ``[0, 2**32)``."""
+    x ^= x >> 16
+    x = (x * _C1) & _M32
+    x ^= x >> 15
+    x = (x * _C2) & _M32
+    return x ^ (x >> 16)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for int64 ``x`` in ``[0, 2**32)``, without overflowing int64
+    (``c`` is split into 16-bit halves)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on an int64 tensor of values in ``[0, 2**32)``: exact on any device."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, _C1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _C2)
+    return x ^ (x >> 16)
+
+
+def _check_padding(padding) -> int:
+    return check_int("padding", padding, minimum=0, maximum=MAX_PADDING)
+
+
+def sample_draws(seed: int, epoch: int, index: int,
+                 padding: int = 4) -> tuple[int, int, bool]:
+    """``(dy, dx, flip)`` of sample ``index`` in ``epoch``, computed with Python ints.
+
+    ``dy`` and ``dx`` are the crop's top-left corner in the padded image, each in
+    ``[0, 2 * padding]``; ``flip`` is whether the crop is mirrored left to right.
+    """
+    index = check_int("index", index, minimum=0, maximum=_M32)
+    span = 2 * _check_padding(padding) + 1
+    k0, k1 = _epoch_key(seed, epoch)
+    base = _mix_int(_mix_int(index ^ k0) ^ k1)
+    h = [_mix_int(base ^ ((j * _STREAM) & _M32)) for j in range(3)]
+    return (h[0] * span) >> 32, (h[1] * span) >> 32, bool(h[2] >> 31)
+
+
+def _draws(keys: tuple[int, int], indices: torch.Tensor,
+           span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``sample_draws`` for every index at once, with tensor operations."""
+    k0, k1 = keys
+    base = _mix(_mix(indices.to(torch.int64) ^ k0) ^ k1)
+    h = [_mix(base ^ ((j * _STREAM) & _M32)) for j in range(3)]
+    return (h[0] * span) >> 32, (h[1] * span) >> 32, (h[2] >> 31).bool()
+
+
+def augment_draws(seed: int, epoch: int, indices,
+                  padding: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dy, dx, flip)`` of every sample in ``indices`` (int64, int64, bool tensors on
+    ``indices``' device): the values ``sample_draws`` gives one by one."""
+    indices = _check_indices(indices)
+    return _draws(_epoch_key(seed, epoch), indices, 2 * _check_padding(padding) + 1)
+
+
+def _check_indices(indices) -> torch.Tensor:
+    indices = torch.as_tensor(indices)
+    if indices.dim() != 1 or indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"indices must be a 1-D int32 or int64 tensor, got shape "
+                        f"{tuple(indices.shape)} and dtype {indices.dtype}")
+    return indices
+
+
+# --- the augmentation: one sample plainly, a batch with tensor ops --------------------
+
+def _check_norm(mean, std) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    mean, std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
+    if not mean or len(mean) != len(std):
+        raise ValueError(f"mean and std need one value per channel and the same "
+                         f"length, got {len(mean)} and {len(std)}")
+    if not all(s > 0 for s in std):
+        raise ValueError(f"std must be positive, got {std}")
+    return mean, std
+
+
+def _channel_dim(shape: tuple[int, ...], channels: int, what: str) -> bool:
+    """True if the channels are last in ``shape`` (``(..., H, W, C)``), False if they
+    come first (``(..., C, H, W)``); an error otherwise."""
+    last, first = shape[-1] == channels, shape[-3] == channels
+    if last and first:
+        raise ValueError(f"{what} of shape {shape} is ambiguous: both its channel "
+                         f"dimensions could be the {channels} channels; pass "
+                         f"(..., H, W, C) with H != {channels}")
+    if not (last or first):
+        raise ValueError(f"{what} must be (..., H, W, {channels}) or "
+                         f"(..., {channels}, H, W) for {channels} channels "
+                         f"(one per mean/std value), got shape {shape}")
+    return last
+
+
+def reference_augment(image, seed: int, epoch: int, index: int, *, padding: int = 4,
+                      flip: bool = True, mean: Sequence[float] = CIFAR_MEAN,
+                      std: Sequence[float] = CIFAR_STD) -> torch.Tensor:
+    """Sample ``index``'s augmented image in ``epoch``, one sample written plainly:
+    pad with zeros, crop, maybe flip, divide by 255, normalise.
+
+    ``image``: uint8 ``(H, W, C)`` or ``(C, H, W)`` (array or tensor). Returns float32
+    ``(C, H, W)`` on the image's device.
+    """
+    mean, std = _check_norm(mean, std)
+    image = torch.as_tensor(image)
+    if image.dtype != torch.uint8 or image.dim() != 3:
+        raise TypeError(f"image must be a 3-D uint8 image, got shape "
+                        f"{tuple(image.shape)} and dtype {image.dtype}")
+    if _channel_dim(tuple(image.shape), len(mean), "image"):
+        image = image.permute(2, 0, 1)
+    _, height, width = image.shape
+    dy, dx, flipped = sample_draws(seed, epoch, index, padding)
+    padded = F.pad(image, (padding, padding, padding, padding))  # zeros
+    crop = padded[:, dy:dy + height, dx:dx + width]
+    if flip and flipped:
+        crop = crop.flip(2)
+    x = crop.float().div(255)
+    m = torch.tensor(mean, device=x.device).view(-1, 1, 1)
+    s = torch.tensor(std, device=x.device).view(-1, 1, 1)
+    return x.sub(m).div(s)
+
+
+def _augment(data: torch.Tensor, indices: torch.Tensor, draws, padding: int,
+             flip: bool, mean: torch.Tensor, std: torch.Tensor,
+             channels_last: bool) -> torch.Tensor:
+    """The batch ``data[indices]`` augmented with ``draws``, by whole-batch operations:
+    crop and flip are index arithmetic, one gather reads every output value from its
+    source, and values that fall in the padding are set to zero."""
+    _, height, width, channels = data.shape
+    dy, dx, flipped = draws
+    device = data.device
+    rows = dy[:, None] + torch.arange(height, device=device) - padding  # (B, H)
+    cols = dx[:, None] + torch.arange(width, device=device) - padding  # (B, W)
+    if flip:
+        # output column j shows the crop's column W-1-j
+        cols = torch.where(flipped[:, None], cols.flip(1), cols)
+    inside = (((rows >= 0) & (rows < height))[:, :, None]
+              & ((cols >= 0) & (cols < width))[:, None, :])  # (B, H, W)
+    # where each output pixel's source pixel starts in data.view(-1)
+    source = ((indices.to(torch.int64)[:, None, None] * height
+               + rows.clamp(0, height - 1)[:, :, None]) * width
+              + cols.clamp(0, width - 1)[:, None, :]) * channels  # (B, H, W)
+    channel = torch.arange(channels, device=device)
+    if channels_last:  # gather (B, H, W, C): channels_last memory once permuted
+        offsets, inside = source[..., None] + channel, inside[..., None]
+    else:  # gather (B, C, H, W) directly
+        offsets, inside = source[:, None] + channel[:, None, None], inside[:, None]
+    x = data.view(-1).index_select(0, offsets.view(-1)).view(offsets.shape)
+    x = x.masked_fill_(~inside, 0)
+    if channels_last:
+        x = x.permute(0, 3, 1, 2)  # .float() keeps these strides
+    return x.float().div_(255).sub_(mean).div_(std)
+
+
+def _norm_tensors(mean, std, device) -> tuple[torch.Tensor, torch.Tensor]:
+    mean, std = _check_norm(mean, std)
+    return (torch.tensor(mean, device=device).view(1, -1, 1, 1),
+            torch.tensor(std, device=device).view(1, -1, 1, 1))
+
+
+def augment_batch(data: torch.Tensor, indices, seed: int, epoch: int, *,
+                  padding: int = 4, flip: bool = True,
+                  mean: Sequence[float] = CIFAR_MEAN,
+                  std: Sequence[float] = CIFAR_STD,
+                  channels_last: bool = False) -> torch.Tensor:
+    """``data[indices]`` augmented as ``reference_augment`` augments each sample.
+
+    ``data``: uint8 ``(N, H, W, C)`` on any device (the loader's resident layout);
+    ``indices``: 1-D integer tensor on the same device. Returns float32
+    ``(B, C, H, W)``, with ``channels_last`` strides if asked.
+    """
+    if (not isinstance(data, torch.Tensor) or data.dtype != torch.uint8
+            or data.dim() != 4 or not data.is_contiguous()):
+        raise TypeError("data must be a contiguous uint8 tensor (N, H, W, C), got "
+                        + (f"shape {tuple(data.shape)}, dtype {data.dtype}, "
+                           f"contiguous={data.is_contiguous()}"
+                           if isinstance(data, torch.Tensor)
+                           else type(data).__name__))
+    indices = _check_indices(indices).to(data.device)
+    padding, flip = _check_padding(padding), check_bool("flip", flip)
+    mean_t, std_t = _norm_tensors(mean, std, data.device)
+    if mean_t.numel() != data.shape[3]:
+        raise ValueError(f"data has {data.shape[3]} channels (last dimension) but "
+                         f"mean and std have {mean_t.numel()} values")
+    draws = _draws(_epoch_key(seed, epoch), indices, 2 * padding + 1)
+    return _augment(data, indices, draws, padding, flip, mean_t, std_t,
+                    check_bool("channels_last", channels_last))
+
+
+# --- the loader -----------------------------------------------------------------------
+
+def _as_nhwc(images, channels: int) -> torch.Tensor:
+    """The images as a uint8 tensor ``(N, H, W, C)`` (a view when they already are)."""
+    if isinstance(images, np.ndarray):
+        images = torch.from_numpy(np.ascontiguousarray(images))
+    if not isinstance(images, torch.Tensor):
+        raise TypeError(f"images must be a uint8 tensor or NumPy array, "
+                        f"got {type(images).__name__}")
+    if images.dtype != torch.uint8:
+        raise TypeError(f"images must be uint8 (0-255 pixels), got {images.dtype}")
+    if images.dim() != 4 or images.shape[0] == 0:
+        raise ValueError(f"images must be a non-empty 4-D batch (N, H, W, C) or "
+                         f"(N, C, H, W), got shape {tuple(images.shape)}")
+    if images.shape[0] > _M32:
+        raise ValueError(f"at most 2**32 images, got {images.shape[0]}")
+    if not _channel_dim(tuple(images.shape), channels, "images"):
+        images = images.permute(0, 2, 3, 1)
+    return images
+
+
+def resident_bytes(images) -> int:
+    """Bytes a ``GPULoader`` of ``images`` keeps on its device: the uint8 images and
+    one int64 label per image."""
+    return int(np.prod(tuple(images.shape))) + 8 * len(images)
+
+
+def _resolve_world(num_replicas, rank) -> tuple[int, int]:
+    """As ``ShardSampler``, but one process without a process group."""
+    group = dist.is_available() and dist.is_initialized()
+    if num_replicas is None:
+        num_replicas = dist.get_world_size() if group else 1
+    if rank is None:
+        rank = dist.get_rank() if group else 0
+    num_replicas = check_int("num_replicas", num_replicas, minimum=1)
+    return num_replicas, check_rank(rank, num_replicas)
+
+
+class GPULoader:
+    """This rank's augmented training batches, from a data set held on ``device``.
+
+    ``images``: uint8 ``(N, H, W, C)`` or ``(N, C, H, W)``, a tensor or a NumPy array;
+    ``labels``: ``N`` integers. ``num_replicas``, ``rank``, ``shuffle``, ``seed`` and
+    ``drop_last`` mean what they mean for ``ShardSampler`` (this rank gets exactly its
+    indices; ``num_replicas``/``rank`` default to the process group's, or 1/0 without
+    one); ``drop_last_batch`` drops this rank's last, incomplete batch, as
+    ``DataLoader(drop_last=True)``. ``padding=0, flip=False`` turns augmentation off.
+    ``device`` defaults to the images' (the CPU for an array).
+    """
+
+    def __init__(self, images, labels, batch_size: int, *,
+                 num_replicas: int | None = None, rank: int | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 drop_last_batch: bool = False, padding: int = 4, flip: bool = True,
+                 mean: Sequence[float] = CIFAR_MEAN, std: Sequence[float] = CIFAR_STD,
+                 channels_last: bool = False, device=None) -> None:
+        self.batch_size = check_int("batch_size", batch_size, minimum=1)
+        self.num_replicas, self.rank = _resolve_world(num_replicas, rank)
+        self.shuffle = check_bool("shuffle", shuffle)
+        self.seed, _ = check_seed_and_epoch(seed, 0)
+        self.drop_last = check_bool("drop_last", drop_last)
+        self.drop_last_batch = check_bool("drop_last_batch", drop_last_batch)
+        self.padding, self.flip = _check_padding(padding), check_bool("flip", flip)
+        self.channels_last = check_bool("channels_last", channels_last)
+        mean, std = _check_norm(mean, std)
+        nhwc = _as_nhwc(images, len(mean))
+        targets = check_labels(labels)
+        if len(targets) != len(nhwc):
+            raise ValueError(f"{len(nhwc)} images but {len(targets)} labels")
+        if device is None:
+            device = nhwc.device
+        self.device = torch.device(device)
+        self.data = nhwc.to(self.device).contiguous()
+        self.labels = torch.from_numpy(targets).to(self.device)
+        self.mean, self.std = _norm_tensors(mean, std, self.device)
+        self.dataset_len = len(self.data)
+        n, r, b = self.dataset_len, self.num_replicas, self.batch_size
+        self.num_samples = n // r if self.drop_last else -(-n // r)  # ShardSampler's
+        self.num_batches = (self.num_samples // b if self.drop_last_batch
+                            else -(-self.num_samples // b))
+        self.epoch, self.start_batch = 0, 0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Iterate over ``epoch``'s batches from batch ``start_batch`` (0: the whole
+        epoch; ``k``: resume after ``k`` batches of this rank)."""
+        _, self.epoch = check_seed_and_epoch(self.seed, epoch)
+        self.start_batch = check_int("start_batch", start_batch, minimum=0,
+                                     maximum=self.num_batches)
+
+    def indices(self) -> torch.Tensor:
+        """This rank's indices for the current epoch (all of them, on the CPU):
+        ``ShardSampler``'s."""
+        return shard_indices(self.dataset_len, self.num_replicas, self.rank,
+                             shuffle=self.shuffle, seed=self.seed, epoch=self.epoch,
+                             drop_last=self.drop_last)
+
+    def __len__(self) -> int:
+        """Batches the next iteration yields (from ``start_batch``)."""
+        return self.num_batches - self.start_batch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        b = self.batch_size
+        first = self.start_batch * b
+        order = self.indices()[first:first + len(self) * b]
+        if self.device.type == "cuda":
+            # pinned: the copy overlaps whatever the GPU is still doing, no host wait
+            order = order.pin_memory().to(self.device, non_blocking=True)
+        else:
+            order = order.to(self.device)
+        draws = _draws(_epoch_key(self.seed, self.epoch), order, 2 * self.padding + 1)
+        for start in range(0, len(order), b):
+            idx = order[start:start + b]
+            batch_draws = tuple(d[start:start + b] for d in draws)
+            yield (_augment(self.data, idx, batch_draws, self.padding, self.flip,
+                            self.mean, self.std, self.channels_last),
+                   self.labels[idx])
+
+    def __repr__(self) -> str:
+        return (f"GPULoader({self.dataset_len} images of "
+                f"{tuple(self.data.shape[1:])} on {self.device}, "
+                f"batch_size={self.batch_size}, num_replicas={self.num_replicas}, "
+                f"rank={self.rank}, seed={self.seed}, epoch={self.epoch})")
