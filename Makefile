@@ -58,6 +58,7 @@ bench: $(STAMP)
 	$(BIN)/python -m utils.bench sampler --out book/results/sampler_bench_cpu.json
 	$(BIN)/python -m utils.bench ddp --repeats 9 --out book/results/ddp_step_cpu.json
 	$(BIN)/python -m utils.bench restart --repeats 10 --out book/results/torchrun_restart_cpu.json
+	$(BIN)/python -m utils.bench loader --out book/results/loader_bench_cpu.json
 
 clean:
 	rm -rf _build

@@ -250,12 +250,30 @@ def bench_restart(runs: int = 5) -> dict:
             "script": RESTART_DEMO.strip(), "results": counts}
 
 
+def save_result(result: dict, path: str) -> None:
+    """Write ``result`` as JSON to ``path`` through a temporary file (never half a
+    file), and say so."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(tmp, path)
+    print(f"saved {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["loader"]:  # its own options: utils/loader_bench.py
+        from .loader_bench import main as loader_main
+
+        loader_main(argv[1:])
+        return
     # the docstring's first paragraph (argparse re-flows it onto one line)
     parser = argparse.ArgumentParser(prog="python -m utils.bench",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["sampler", "ddp", "restart"],
-                        help="which benchmark to run")
+    parser.add_argument("what", choices=["sampler", "ddp", "restart", "loader"],
+                        help="which benchmark to run (loader: its own options, see "
+                             "python -m utils.bench loader --help)")
     parser.add_argument("--n", type=int, default=10**7,
                         help="data set size (default 10^7)")
     parser.add_argument("--num-replicas", type=int, default=8)
@@ -289,16 +307,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"{result['ratio_to_torch_ddp'][name]:.2f}x torch DDP, "
                   f"{result['all_reduces_per_step'][name]} all-reduces")
     result["environment"] = environment()
-    result["command"] = "python -m utils.bench " + " ".join(
-        argv if argv is not None else sys.argv[1:])
+    result["command"] = "python -m utils.bench " + " ".join(argv)
     result["date"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=2)
-        os.replace(tmp, args.out)
-        print(f"saved {args.out}")
+        save_result(result, args.out)
 
 
 if __name__ == "__main__":
