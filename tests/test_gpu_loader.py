@@ -1,0 +1,275 @@
+"""utils.gpu_loader on CPU tensors (the same code runs on CUDA): the batched augmentation
+equals the plain per-sample reference image by image; torchvision's crop and flip give
+the same images for the same draws; the order is ShardSampler's, shard by shard; a
+loader started at any batch yields the rest of the epoch exactly; the draws are a pure
+function of (seed, epoch, index), evenly spread; the loop converts nothing to Python;
+bad input is refused with a message."""
+
+import numpy as np
+import pytest
+import torch
+
+from utils.gpu_loader import (CIFAR_MEAN, CIFAR_STD, GPULoader, augment_batch,
+                              augment_draws, reference_augment, resident_bytes,
+                              sample_draws)
+from utils.samplers import ShardSampler
+
+
+def images(n, height=32, width=32, channels=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, height, width, channels), dtype=torch.uint8,
+                         generator=g)
+
+
+DATA = images(75)
+LABELS = torch.arange(75)  # label = index: the batches' labels name their samples
+
+
+def batches(loader):
+    return [(x.clone(), y.clone()) for x, y in loader]
+
+
+@pytest.mark.parametrize("seed, epoch, batch_size, channels_last", [
+    (0, 0, 16, False), (0, 3, 7, True), (12345, 1, 75, False), (2**64 - 10, 9, 32, True),
+])
+def test_every_batched_image_equals_the_per_sample_reference(seed, epoch, batch_size,
+                                                             channels_last):
+    loader = GPULoader(DATA, LABELS, batch_size, seed=seed,
+                       channels_last=channels_last)
+    loader.set_epoch(epoch)
+    seen = 0
+    for x, y in loader:
+        assert x.dtype == torch.float32 and x.shape[1:] == (3, 32, 32)
+        assert x.is_contiguous(memory_format=torch.channels_last
+                               if channels_last else torch.contiguous_format)
+        for image, index in zip(x, y.tolist()):
+            expected = reference_augment(DATA[index], seed, epoch, index)
+            assert torch.equal(image, expected), (index, (image - expected).abs().max())
+        seen += len(y)
+    assert seen == 75
+
+
+@pytest.mark.parametrize("padding, flip", [(0, False), (0, True), (2, True), (9, False)])
+def test_other_paddings_flips_and_a_non_square_layout_first_input(padding, flip):
+    """(N, C, H, W) input of 5 x 12 images: no axis can be swapped unnoticed."""
+    nhwc = images(20, height=5, width=12, channels=2, seed=1)
+    nchw = nhwc.permute(0, 3, 1, 2).contiguous()
+    norm = {"mean": (0.5, 0.25), "std": (0.2, 0.4)}
+    loader = GPULoader(nchw, torch.arange(20), 6, seed=4, padding=padding, flip=flip,
+                       **norm)
+    loader.set_epoch(2)
+    for x, y in loader:
+        assert x.shape[1:] == (2, 5, 12)
+        for image, index in zip(x, y.tolist()):
+            expected = reference_augment(nchw[index], 4, 2, index, padding=padding,
+                                         flip=flip, **norm)
+            assert torch.equal(image, expected)
+            # the reference reads (H, W, C) too
+            assert torch.equal(expected, reference_augment(
+                nhwc[index].numpy(), 4, 2, index, padding=padding, flip=flip, **norm))
+    if padding == 0 and not flip:  # no augmentation: just the normalised images
+        x = augment_batch(nhwc, torch.arange(20), 4, 2, padding=0, flip=False, **norm)
+        plain = nchw.float().div(255).sub(torch.tensor(norm["mean"]).view(2, 1, 1))
+        assert torch.equal(x, plain.div(torch.tensor(norm["std"]).view(2, 1, 1)))
+
+
+def test_the_reference_is_torchvisions_crop_with_zero_padding_and_flip():
+    """For the same draws, torchvision's functional RandomCrop(32, padding=4) (fill 0),
+    hflip, ToTensor and Normalize give the reference's image."""
+    from PIL import Image
+    from torchvision.transforms import functional as TF
+
+    for index in range(12):
+        dy, dx, flipped = sample_draws(7, 1, index)
+        pil = TF.crop(TF.pad(Image.fromarray(DATA[index].numpy()), 4, fill=0),
+                      dy, dx, 32, 32)
+        if flipped:
+            pil = TF.hflip(pil)
+        expected = TF.normalize(TF.to_tensor(pil), CIFAR_MEAN, CIFAR_STD)
+        got = reference_augment(DATA[index], 7, 1, index)
+        assert torch.allclose(got, expected, atol=1e-6, rtol=0)
+    assert {sample_draws(7, 1, i)[2] for i in range(12)} == {True, False}
+
+
+def test_tensor_draws_equal_the_python_integer_draws():
+    indices = torch.cat([torch.arange(500), torch.tensor([2**31, 2**32 - 1])])
+    for seed, epoch, padding in [(0, 0, 4), (2**64 - 2, 1, 4), (99, 7, 0), (5, 3, 100)]:
+        dy, dx, flip = augment_draws(seed, epoch, indices, padding)
+        for i, index in enumerate(indices.tolist()):
+            assert (int(dy[i]), int(dx[i]), bool(flip[i])) == sample_draws(
+                seed, epoch, index, padding)
+    # int32 indices give the same draws
+    assert all(torch.equal(a, b) for a, b in zip(
+        augment_draws(3, 4, indices[:500].int()), augment_draws(3, 4, indices[:500])))
+
+
+def chi_square(counts):
+    counts = np.asarray(counts, dtype=float).ravel()
+    expected = counts.sum() / len(counts)
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_the_draws_are_evenly_spread_and_unrelated_across_indices_epochs_and_seeds():
+    n = 90_000
+    dy, dx, flip = augment_draws(0, 0, torch.arange(n))
+    dy1, _, flip1 = augment_draws(0, 1, torch.arange(n))
+    dys, _, _ = augment_draws(1, 0, torch.arange(n))
+    # 99.99th percentiles of chi-square: 8 degrees of freedom 31.8, 80: 130.0
+    assert chi_square(torch.bincount(dy, minlength=9)) < 31.8
+    assert chi_square(torch.bincount(dx, minlength=9)) < 31.8
+    pairs = {"dy, dx of a sample": dy * 9 + dx,
+             "dy of neighbouring indices": dy[:-1] * 9 + dy[1:],
+             "dy of one index in epochs 0 and 1": dy * 9 + dy1,
+             "dy of one index with seeds 0 and 1": dy * 9 + dys}
+    for name, joint in pairs.items():
+        assert chi_square(torch.bincount(joint, minlength=81)) < 130.0, name
+    assert abs(flip.float().mean() - 0.5) < 0.01
+    assert abs((flip == flip1).float().mean() - 0.5) < 0.01  # epochs flip independently
+
+
+@pytest.mark.parametrize("n, replicas, batch_size, drop_last, drop_last_batch, shuffle", [
+    (75, 1, 16, False, False, True), (75, 2, 8, False, False, True),
+    (75, 4, 5, True, True, True), (75, 3, 10, False, True, False),
+    (10, 4, 3, False, False, True), (3, 5, 2, False, False, True),
+])
+def test_each_rank_gets_exactly_shardsamplers_indices(n, replicas, batch_size, drop_last,
+                                                      drop_last_batch, shuffle):
+    for epoch in (0, 5):
+        for rank in range(replicas):
+            loader = GPULoader(DATA[:n], LABELS[:n], batch_size, num_replicas=replicas,
+                               rank=rank, seed=11, shuffle=shuffle, drop_last=drop_last,
+                               drop_last_batch=drop_last_batch)
+            sampler = ShardSampler(range(n), replicas, rank, shuffle=shuffle, seed=11,
+                                   drop_last=drop_last)
+            loader.set_epoch(epoch)
+            sampler.set_epoch(epoch)
+            expected = list(sampler)
+            if drop_last_batch:
+                expected = expected[:len(expected) // batch_size * batch_size]
+            got = batches(loader)
+            assert len(got) == len(loader)
+            assert [len(y) for _, y in got[:-1]] == [batch_size] * (len(got) - 1)
+            assert torch.cat([y for _, y in got]).tolist() == expected
+
+
+def test_a_global_batch_is_the_same_images_on_two_ranks_as_on_one():
+    one = batches(GPULoader(DATA, LABELS, 20, seed=3, drop_last=True,
+                            drop_last_batch=True))
+    ranks = [batches(GPULoader(DATA, LABELS, 10, num_replicas=2, rank=r, seed=3,
+                               drop_last=True, drop_last_batch=True)) for r in (0, 1)]
+    assert len(one) == len(ranks[0]) == len(ranks[1]) == 75 // 20
+    for k, (x, y) in enumerate(one):
+        x2 = torch.cat([ranks[0][k][0], ranks[1][k][0]])
+        y2 = torch.cat([ranks[0][k][1], ranks[1][k][1]])
+        assert sorted(y.tolist()) == sorted(y2.tolist())
+        assert torch.equal(x[y.argsort()], x2[y2.argsort()])
+
+
+def test_a_loader_started_at_any_batch_yields_the_rest_of_the_epoch_exactly():
+    full = GPULoader(DATA, LABELS, 8, num_replicas=2, rank=1, seed=5)
+    full.set_epoch(0)
+    batches(full)  # history that must not matter
+    full.set_epoch(3)
+    reference = batches(full)
+    assert len(reference) == 5
+    for start in range(len(reference) + 1):
+        # a new loader, as in a restarted process
+        resumed = GPULoader(DATA, LABELS, 8, num_replicas=2, rank=1, seed=5)
+        resumed.set_epoch(3, start_batch=start)
+        got = batches(resumed)
+        assert len(got) == len(resumed) == len(reference) - start
+        for (x, y), (rx, ry) in zip(got, reference[start:]):
+            assert torch.equal(x, rx) and torch.equal(y, ry)
+    again = batches(full)  # iterating again repeats the epoch
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(again, reference))
+    full.set_epoch(4)
+    assert not torch.equal(batches(full)[0][1], reference[0][1])
+
+
+def test_the_loop_converts_nothing_to_python(monkeypatch):
+    """On CUDA each of these would make the host wait for the GPU."""
+    loader = GPULoader(DATA, LABELS, 16, seed=1)
+    loader.set_epoch(2)
+    expected = batches(loader)
+
+    def refuse(name):
+        def method(*args, **kwargs):
+            raise AssertionError(f"Tensor.{name} called in the loop")
+        return method
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__",
+                 "__index__", "nonzero"):
+        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+    got = [(x, y) for x, y in loader]
+    monkeypatch.undo()
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(got, expected))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_batches_equal_the_cpu_ones_without_a_host_sync():
+    cpu = GPULoader(DATA, LABELS, 16, seed=1, channels_last=True)
+    gpu = GPULoader(DATA, LABELS, 16, seed=1, channels_last=True, device="cuda")
+    cpu.set_epoch(2)
+    gpu.set_epoch(2)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        on_gpu = [(x, y) for x, y in gpu]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for (x, y), (gx, gy) in zip(batches(cpu), on_gpu):
+        assert gx.is_cuda and torch.equal(y, gy.cpu())
+        assert torch.allclose(x, gx.cpu(), atol=1e-6, rtol=0)
+
+
+def test_resident_bytes_counts_the_images_and_the_labels():
+    loader = GPULoader(DATA.numpy(), LABELS.tolist(), 4)
+    assert resident_bytes(DATA) == resident_bytes(DATA.numpy()) == (
+        loader.data.nbytes + loader.labels.nbytes) == 75 * 32 * 32 * 3 + 75 * 8
+    assert "75 images of (32, 32, 3) on cpu" in repr(loader)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"images": DATA.float()}, TypeError, "images must be uint8"),
+    ({"images": DATA[0]}, ValueError, "images must be a non-empty 4-D batch"),
+    ({"images": DATA[:0], "labels": LABELS[:0]}, ValueError, "non-empty"),
+    ({"images": images(4, channels=4), "labels": LABELS[:4]}, ValueError,
+     "must be (..., H, W, 3) or (..., 3, H, W)"),
+    ({"images": images(4, height=3, width=32), "labels": LABELS[:4]}, ValueError,
+     "(4, 3, 32, 3) is ambiguous"),
+    ({"images": [[1, 2]]}, TypeError, "images must be a uint8 tensor or NumPy array"),
+    ({"labels": LABELS[:-1]}, ValueError, "75 images but 74 labels"),
+    ({"labels": LABELS.float()}, TypeError, "labels must be integers"),
+    ({"batch_size": 0}, ValueError, "batch_size=0 is out of range"),
+    ({"batch_size": 2.5}, TypeError, "batch_size must be an integer"),
+    ({"num_replicas": 2, "rank": 2}, ValueError, "rank=2 is out of range for "
+                                                 "num_replicas=2"),
+    ({"num_replicas": 0, "rank": 0}, ValueError, "num_replicas=0 is out of range"),
+    ({"padding": -1}, ValueError, "padding=-1 is out of range"),
+    ({"seed": -1}, ValueError, "seed=-1 is out of range"),
+    ({"mean": (0.5, 0.5)}, ValueError, "mean and std need one value per channel"),
+    ({"std": (1.0, 0.0, 1.0)}, ValueError, "std must be positive"),
+    ({"channels_last": 1}, TypeError, "channels_last must be True or False"),
+])
+def test_bad_arguments_are_refused_with_a_message(kwargs, error, message):
+    args = {"images": DATA, "labels": LABELS, "batch_size": 8, **kwargs}
+    with pytest.raises(error) as caught:
+        GPULoader(args.pop("images"), args.pop("labels"), args.pop("batch_size"),
+                  **args)
+    assert message in str(caught.value)
+
+
+def test_bad_epochs_starts_indices_and_data_are_refused_with_a_message():
+    loader = GPULoader(DATA, LABELS, 8)  # 10 batches
+    with pytest.raises(ValueError, match="start_batch=11 is out of range; "
+                                         "expected start_batch <= 10"):
+        loader.set_epoch(0, start_batch=11)
+    with pytest.raises(ValueError, match="epoch=-1 is out of range"):
+        loader.set_epoch(-1)
+    with pytest.raises(TypeError, match="indices must be a 1-D int32 or int64 tensor"):
+        augment_draws(0, 0, torch.zeros(3))
+    with pytest.raises(TypeError, match="must be a contiguous uint8 tensor"):
+        augment_batch(DATA.permute(0, 2, 1, 3), torch.arange(3), 0, 0)
+    with pytest.raises(ValueError, match="data has 3 channels"):
+        augment_batch(DATA, torch.arange(3), 0, 0, mean=(0.5,), std=(0.5,))
+    with pytest.raises(TypeError, match="image must be a 3-D uint8 image"):
+        reference_augment(DATA[:2], 0, 0, 0)
