@@ -340,3 +340,156 @@ def test_the_exact_evaluation_scores_rank_0s_model_even_when_the_ranks_buffers_d
                              shifted.eval()(images[1::2]).argmax(1) == labels[1::2]]).float().mean()
     assert float(mixture) < 0.9  # what evaluating each shard on its own rank's buffers gave
     assert run_distributed(_evaluate_with_rank_1_buffers_shifted, 2, images, labels, timeout=120) == [1.0, 1.0]
+
+
+# --- --loader gpu: utils.gpu_loader on the CPU (the same tensor code as on CUDA) ------
+
+GPU_RUN = [*COMMON[:2], "--workers", "0", *COMMON[4:], "--loader", "gpu"]
+RECORD_KEYS = ["epoch", "step", "train_loss", "test_accuracy", "images_per_s",
+               "epoch_seconds", "world_size", "data", "model", "device", "loader"]
+
+
+def in_process(*argv):
+    """main(argv) in this process (no interpreter start): (stdout, error message or
+    None)."""
+    import contextlib
+    import io
+
+    from utils.train_cifar10 import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            main(list(argv))
+        except SystemExit as stop:
+            return out.getvalue(), str(stop.code)
+    return out.getvalue(), None
+
+
+def metrics_lines(out):
+    import json
+
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def gpu_uninterrupted(data, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("gpu_uninterrupted"))
+    stdout, error = in_process("--data", data, "--out", out, *GPU_RUN)
+    assert error is None, error
+    assert "loader: gpu (--loader gpu, on the CPU: the same tensor code)" in stdout
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpu_stopped(data, tmp_path_factory):
+    """A --loader gpu run stopped at step 6 of 16 (mid-epoch 0), with its checkpoint."""
+    out = str(tmp_path_factory.mktemp("gpu_stopped"))
+    _, error = in_process("--data", data, "--out", out, "--stop-at-step", "6",
+                          *GPU_RUN)
+    assert error is None, error
+    assert not os.path.exists(os.path.join(out, "model_final.pt"))
+    return out
+
+
+def test_a_loader_gpu_run_stopped_mid_epoch_resumes_exactly(
+        data, gpu_uninterrupted, gpu_stopped, tmp_path):
+    out = str(tmp_path / "out")
+    shutil.copytree(gpu_stopped, out)
+    # with the progress bar this time: the loss is read every 3 steps
+    with_bar = [a for a in GPU_RUN if a != "--no-progress"]
+    stdout, error = in_process("--data", data, "--out", out, "--resume", *with_bar,
+                               "--log-every", "3")
+    assert error is None, error
+    assert "epoch 0, step 6 of the epoch (6 in all)" in stdout
+    assert "loss=" in stdout and "img_s=" in stdout  # the bar's postfix
+    assert max_diff(final_params(gpu_uninterrupted), final_params(out)) == 0.0
+    for run in (gpu_uninterrupted, out):  # the same format, one line per epoch
+        records = metrics_lines(run)
+        assert [list(r) for r in records] == [RECORD_KEYS] * 2
+        assert [r["loader"] for r in records] == ["gpu", "gpu"]
+    # epoch 1's loss, summed on the device, is the uninterrupted run's (epoch 0's
+    # covers the steps run since the resume)
+    assert (metrics_lines(out)[1]["train_loss"]
+            == metrics_lines(gpu_uninterrupted)[1]["train_loss"])
+
+
+def test_two_ranks_with_loader_gpu_and_channels_last_equal_one_process(
+        data, gpu_uninterrupted, tmp_path):
+    done = ok(torchrun("--data", data, "--out", str(tmp_path), *GPU_RUN,
+                       "--channels-last", "yes"))
+    assert "loader: gpu" in done.stdout and "channels_last: yes" in done.stdout
+    assert "global batch 64 = 32 x 2" in done.stdout
+    # the same global batches; summed in another order, in another memory format
+    assert max_diff(final_params(gpu_uninterrupted), final_params(str(tmp_path))) < 1e-5
+
+
+def test_resuming_with_the_other_loader_is_refused_and_auto_is_workers_on_the_cpu(
+        data, gpu_stopped, stopped_on_two, two_ranks, tmp_path):
+    assert [r["loader"] for r in metrics_lines(two_ranks)] == ["workers"] * 2  # auto
+    for source, args, message in [
+            (gpu_stopped, [*GPU_RUN[:-1], "workers"],
+             "--loader workers (checkpoint: gpu)"),
+            (gpu_stopped, GPU_RUN[:-2],  # --loader auto: workers on the CPU
+             "--loader workers (checkpoint: gpu)"),
+            (stopped_on_two, [*COMMON, "--loader", "gpu"],
+             "--loader gpu (checkpoint: workers)")]:
+        out = str(tmp_path / os.path.basename(source))
+        shutil.copytree(source, out, dirs_exist_ok=True)
+        _, error = in_process("--data", data, "--out", out, "--resume", *args)
+        assert error is not None and "cannot resume" in error and message in error
+        assert snapshot(out) == snapshot(source)  # nothing written
+
+
+def test_a_checkpoint_from_before_loader_existed_counts_as_workers(tmp_path):
+    path = str(tmp_path / "checkpoint.pt")
+    config = {"model": "simplecnn", "epochs": 2, "global_batch": 64, "lr": 0.05,
+              "momentum": 0.9, "weight_decay": 5e-4, "seed": 0, "data_size": 512}
+    save_checkpoint(path, {"format": "utils.train_cifar10/2", "model": {},
+                           "optimizer": {}, "scheduler": {}, "epoch": 0,
+                           "step_in_epoch": 4, "step": 4, "config": config})
+    assert load_checkpoint(path, {**config, "loader": "workers"})["step"] == 4
+    with pytest.raises(SystemExit, match=r"--loader gpu \(checkpoint: workers\)"):
+        load_checkpoint(path, {**config, "loader": "gpu"})
+
+
+def test_choose_loader_takes_the_gpu_loader_with_cuda_when_the_set_fits():
+    from utils.train_cifar10 import choose_loader
+
+    cpu, cuda, gib = torch.device("cpu"), torch.device("cuda", 0), 2**30
+    assert choose_loader("auto", cpu, gib, None)[0] == "workers"
+    assert choose_loader("gpu", cpu, gib, None)[0] == "gpu"
+    assert choose_loader("workers", cuda, gib, 80 * gib)[0] == "workers"
+    loader, why = choose_loader("auto", cuda, gib, 4 * gib)
+    assert loader == "gpu" and "1.00 GiB <= 1/4 of the 4.00 GiB free on cuda:0" in why
+    loader, why = choose_loader("auto", cuda, gib, 4 * gib - 1)
+    assert loader == "workers" and "> 1/4" in why
+    assert choose_loader("gpu", cuda, gib, 2 * gib)[0] == "gpu"
+    with pytest.raises(SystemExit, match="--loader gpu: the training set's 3.00 GiB do "
+                                         "not fit in the 2.00 GiB free on cuda:0"):
+        choose_loader("gpu", cuda, 3 * gib, 2 * gib)
+
+
+def test_compile_is_accepted_and_refused_with_a_message_without_a_compiler(
+        data, tmp_path, monkeypatch):
+    """A CPU run with --compile takes about a minute here (the compilation), so it is
+    not run; the check that stops it where it cannot work is."""
+    from utils.train_cifar10 import check_compile, parse_args
+
+    assert parse_args(["--compile"]).compile
+    if shutil.which(os.environ.get("CXX", "g++")):
+        check_compile(torch.device("cpu"))  # accepted: a compiler is there
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    _, error = in_process("--data", data, "--out", str(tmp_path), *GPU_RUN,
+                          "--compile")
+    assert error is not None and "--compile on the CPU needs a C++ compiler" in error
+    assert "'/nonexistent/g++'" in error and os.listdir(tmp_path) == []
+
+
+def test_log_every_below_one_is_refused(capsys):
+    from utils.train_cifar10 import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--log-every", "0"])
+    assert "--log-every must be at least 1, got 0" in capsys.readouterr().err

@@ -19,13 +19,29 @@ another number of processes. Every random choice is a function of the seed, the 
 and the sample index (augmentations), or of the seed, step and rank (anything a model
 draws), so a run killed and resumed from a checkpoint, on any number of workers, ends
 with the same parameters as one that never stopped.
+
+Feeding the GPU: ``--loader gpu`` keeps the uint8 training set on the device and
+augments whole batches there (``utils.gpu_loader.GPULoader``: the same sample order
+as ``--loader workers``, other augmentation draws, also keyed by the seed, the epoch
+and the index); ``--loader auto``, the default, takes it with CUDA when the training
+set fits (see ``choose_loader``), else the DataLoader with worker processes. On CUDA
+the model and its inputs use ``channels_last``. The training loop never waits for the
+GPU: the loss is summed on the device and read every ``--log-every`` steps (progress
+bar) and at the end of each epoch. ``--compile`` compiles the model.
+
+Each epoch rank 0 writes one JSON line to ``OUT/metrics.jsonl``: ``epoch``, ``step``,
+``train_loss`` (the mean over the epoch's steps and ranks), ``test_accuracy``,
+``images_per_s``, ``epoch_seconds``, ``world_size``, ``data``, ``model``,
+``device``, and ``loader`` (``gpu`` or ``workers``; added with ``--loader``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -39,12 +55,11 @@ from torch.utils.data import DataLoader, Dataset
 from .data import (download_cifar10, is_synthetic_cifar10, load_cifar10,
                    write_synthetic_cifar10)
 from .devices import collective_device
+from .gpu_loader import CIFAR_MEAN, CIFAR_STD, GPULoader, resident_bytes
 from .metrics import EvalShardSampler, sum_over_ranks
 from .samplers import ShardSampler
 from .seeding import derive_seed, sample_generator, seed_everything
 
-CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR_STD = (0.2470, 0.2435, 0.2616)
 CHECKPOINT = "checkpoint.pt"
 
 
@@ -71,7 +86,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--workers", type=int, default=2,
-                   help="DataLoader workers per process")
+                   help="DataLoader workers per process (training with --loader "
+                        "workers; the test set always)")
+    p.add_argument("--loader", choices=["auto", "gpu", "workers"], default="auto",
+                   help="training data: gpu: the uint8 set on the device, augmented "
+                        "there in whole batches (on the CPU too: the same tensor "
+                        "code); "
+                        "workers: a DataLoader with worker processes; auto: gpu with "
+                        "CUDA if the set takes at most 1/4 of the free GPU memory on "
+                        "every rank, else workers")
+    p.add_argument("--channels-last", choices=["auto", "yes", "no"], default="auto",
+                   help="channels_last memory format for the model and its inputs "
+                        "(auto: yes with CUDA)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (needs g++ or $CXX on the CPU, "
+                        "Triton on CUDA)")
+    p.add_argument("--log-every", type=int, default=50,
+                   help="read the loss from the device every N steps for the "
+                        "progress bar (the only reads during an epoch)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: CUDA (nccl) when available, else CPU (gloo); "
@@ -97,7 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (logs only)")
     args = p.parse_args(argv)
-    for name in ("epochs", "global_batch"):
+    for name in ("epochs", "global_batch", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, "
                     f"got {getattr(args, name)}")
@@ -132,6 +164,75 @@ def per_process_batch(global_batch: int, world_size: int) -> int:
                          f"over {world_size} processes; "
                          f"use a multiple of {world_size} (e.g. {nearest})")
     return global_batch // world_size
+
+
+FIT_FRACTION = 0.25  # of the free GPU memory: the rest is for the model and its work
+
+
+def choose_loader(choice: str, device: torch.device, nbytes: int,
+                  free_bytes: int | None) -> tuple[str, str]:
+    """``(loader, why)``: ``"gpu"`` or ``"workers"`` for ``--loader choice``.
+
+    ``nbytes``: what the GPU loader keeps on the device (``resident_bytes``);
+    ``free_bytes``: this GPU's free memory (``None`` on the CPU). ``auto`` takes
+    ``gpu`` with CUDA when the set takes at most ``FIT_FRACTION`` of the free memory,
+    leaving the rest to the model, its activations and the workspace of its kernels.
+    ``gpu`` on a GPU too small for the set is refused.
+    """
+    size = f"the training set's {nbytes / 2**30:.2f} GiB"
+    if choice == "workers":
+        return "workers", "--loader workers"
+    if device.type != "cuda":
+        if choice == "gpu":
+            return "gpu", "--loader gpu, on the CPU: the same tensor code"
+        return "workers", "--loader auto without CUDA"
+    free = f"{free_bytes / 2**30:.2f} GiB free on {device}"
+    if choice == "gpu":
+        if nbytes > free_bytes:
+            raise SystemExit(f"error: --loader gpu: {size} do not fit in the {free}; "
+                             f"use --loader workers")
+        return "gpu", f"--loader gpu: {size}, {free}"
+    if nbytes <= FIT_FRACTION * free_bytes:
+        return "gpu", f"--loader auto: {size} <= 1/4 of the {free}"
+    return "workers", f"--loader auto: {size} > 1/4 of the {free}"
+
+
+def check_compile(device: torch.device) -> None:
+    """Refuse ``--compile`` where ``torch.compile`` cannot work, before any work is
+    done: an unsupported Python, no C++ compiler for the CPU (inductor's: ``$CXX``, else
+    g++, clang++ on macOS), no Triton for CUDA."""
+    try:
+        import torch._dynamo
+
+        supported = torch._dynamo.is_dynamo_supported()
+    except Exception:  # an old or partial torch
+        supported = False
+    if not supported:
+        raise SystemExit(f"error: --compile: torch.compile does not support this "
+                         f"Python ({sys.version.split()[0]}) with torch "
+                         f"{torch.__version__}; leave out --compile")
+    if device.type == "cpu":
+        default = "clang++" if sys.platform == "darwin" else "g++"
+        compiler = os.environ.get("CXX", default)
+        if shutil.which(compiler) is None:
+            raise SystemExit(f"error: --compile on the CPU needs a C++ compiler, and "
+                             f"{compiler!r} (from $CXX or the default {default}) is "
+                             f"not found; install one, set CXX, or leave out --compile")
+    elif importlib.util.find_spec("triton") is None:
+        raise SystemExit("error: --compile on CUDA needs Triton (pip install triton); "
+                         "leave out --compile")
+
+
+def agreed_free_memory(device: torch.device, ddp: bool) -> int | None:
+    """The least free memory of any rank's GPU (``None`` on the CPU), so that every
+    rank makes the same ``--loader auto`` choice."""
+    if device.type != "cuda":
+        return None
+    free = torch.tensor(torch.cuda.mem_get_info(device)[0], dtype=torch.int64,
+                        device=collective_device() if ddp else "cpu")
+    if ddp:
+        dist.all_reduce(free, op=dist.ReduceOp.MIN)
+    return int(free)
 
 
 def eval_workers(workers: int) -> int:
@@ -373,17 +474,20 @@ def save_checkpoint(path: str, state: dict) -> None:
 
 
 FORMAT = "utils.train_cifar10/2"
-# What a resumed run must repeat: each decides the model or the schedule of
-# optimizer steps.
+# What a resumed run must repeat: each decides the model, the schedule of optimizer
+# steps, or the images of each step (the loaders draw different augmentations).
 RUN_SETTINGS = ("model", "epochs", "global_batch", "lr", "momentum", "weight_decay",
-                "seed", "data_size")
+                "seed", "data_size", "loader")
+# settings added since checkpoints of this format were first written, with the value
+# every older run had
+LEGACY_SETTINGS = {"loader": "workers"}
 
 
-def run_config(args, data_size: int) -> dict:
+def run_config(args, data_size: int, loader: str) -> dict:
     return {"model": args.model, "epochs": args.epochs,
             "global_batch": args.global_batch, "lr": args.lr,
             "momentum": args.momentum, "weight_decay": args.weight_decay,
-            "seed": args.seed, "data_size": data_size}
+            "seed": args.seed, "data_size": data_size, "loader": loader}
 
 
 def load_checkpoint(path: str, config: dict) -> dict:
@@ -392,9 +496,10 @@ def load_checkpoint(path: str, config: dict) -> dict:
 
     A resumed run must continue the same schedule: the one-cycle learning rate is laid
     out over ``epochs x steps per epoch`` steps and the sample order follows the seed,
-    so a different ``--epochs``, ``--lr``, ``--global-batch``, ``--seed`` or model is
-    refused with the differences listed. ``--workers``, ``--device`` and the number of
-    processes may change.
+    so a different ``--epochs``, ``--lr``, ``--global-batch``, ``--seed``, model or
+    loader (``gpu`` or ``workers``: their augmentations differ) is refused with the
+    differences listed. ``--workers``, ``--device``, ``--channels-last``,
+    ``--compile`` and the number of processes may change.
     """
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -411,7 +516,8 @@ def load_checkpoint(path: str, config: dict) -> dict:
         raise SystemExit(f"error: {path} was written by another version of this script "
                          f"({state['format']}, this one reads {FORMAT}); "
                          f"start a new run with another --out")
-    saved = state["config"]
+    saved = {**LEGACY_SETTINGS, **state["config"]}
+    config = {**LEGACY_SETTINGS, **config}
     changed = [f"--{k.replace('_', '-')} {config[k]} (checkpoint: {saved.get(k)})"
                for k in RUN_SETTINGS if saved.get(k) != config[k]]
     if changed:
@@ -487,7 +593,12 @@ def main(argv=None) -> None:
     master = rank == 0  # rank 0 alone logs and saves
     if (args.amp or args.sync_bn) and not cuda:
         raise SystemExit("error: --amp and --sync-bn need CUDA; this run is on the CPU")
+    if args.compile:
+        check_compile(device)
     batch_size = per_process_batch(args.global_batch, world_size)
+    channels_last = args.channels_last == "yes" or (args.channels_last == "auto"
+                                                    and cuda)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
 
     # --- data: prepared once per node; every process reads its own copy ---
     prepare_data(args, local_rank, ddp)
@@ -501,11 +612,21 @@ def main(argv=None) -> None:
     if steps_per_epoch == 0:
         raise SystemExit(f"error: {len(train_set)} training images is less than one "
                          f"global batch of {args.global_batch}")
-    sampler = EpochSampler(train_set, world_size, rank, shuffle=True, seed=args.seed)
+    loader, why = choose_loader(args.loader, device, resident_bytes(train_set.data),
+                                agreed_free_memory(device, ddp))
     loader_kwargs = dict(num_workers=args.workers, pin_memory=cuda,
                          persistent_workers=args.workers > 0)
-    train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler,
-                              drop_last=True, **loader_kwargs)
+    if loader == "gpu":
+        # ShardSampler's order cut to whole global batches, as EpochSampler's
+        train_loader = GPULoader(train_set.data, train_set.targets, batch_size,
+                                 num_replicas=world_size, rank=rank, seed=args.seed,
+                                 drop_last=True, drop_last_batch=True,
+                                 channels_last=channels_last, device=device)
+    else:
+        sampler = EpochSampler(train_set, world_size, rank, shuffle=True,
+                               seed=args.seed)
+        train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler,
+                                  drop_last=True, **loader_kwargs)
     test_loader = DataLoader(test_set, batch_size=512,
                              sampler=EvalShardSampler(test_set, world_size, rank),
                              **{**loader_kwargs,
@@ -519,7 +640,7 @@ def main(argv=None) -> None:
     scheduler = one_cycle(optimizer, args.lr, args.epochs * steps_per_epoch)
     os.makedirs(args.out, exist_ok=True)
     ckpt_path = os.path.join(args.out, CHECKPOINT)
-    config = run_config(args, len(train_set))
+    config = run_config(args, len(train_set), loader)
     epoch, step_in_epoch, step = 0, 0, 0
     state = agree_on_resume(ckpt_path, config, rank, ddp) if args.resume else None
     if args.resume and state is None and master:
@@ -529,7 +650,7 @@ def main(argv=None) -> None:
         model.load_state_dict(state["model"])
         epoch, step_in_epoch, step = (state["epoch"], state["step_in_epoch"],
                                       state["step"])
-    model = model.to(device)
+    model = model.to(device, memory_format=memory_format)
     if state is not None:
         # after .to(device): moves its buffers there too
         optimizer.load_state_dict(state["optimizer"])
@@ -548,6 +669,8 @@ def main(argv=None) -> None:
         # traversal per step) for exact restarts.
         fixed_buckets = {"find_unused_parameters": True} if args.deterministic else {}
         model = DDP(model, device_ids=[local_rank] if cuda else None, **fixed_buckets)
+    if args.compile:
+        model = torch.compile(model)  # after the DDP wrap: compiled per bucket
 
     def checkpoint():
         if master:
@@ -571,19 +694,29 @@ def main(argv=None) -> None:
               f"{dist.get_backend() if ddp else 'no process group'}; "
               f"global batch {args.global_batch} = {batch_size} x {world_size}",
               flush=True)
+        print(f"loader: {loader} ({why}); "
+              f"channels_last: {'yes' if channels_last else 'no'}; "
+              f"compile: {'yes' if args.compile else 'no'}", flush=True)
     restarts = int(os.environ.get("TRAIN_CIFAR10_ATTEMPT", 0))
 
     # --- the loop ---
     while epoch < args.epochs:
-        sampler.set_epoch(epoch, start=step_in_epoch * batch_size,
-                          stop=steps_per_epoch * batch_size)
+        if loader == "gpu":
+            train_loader.set_epoch(epoch, start_batch=step_in_epoch)
+        else:
+            sampler.set_epoch(epoch, start=step_in_epoch * batch_size,
+                              stop=steps_per_epoch * batch_size)
         bar = None
         if master and not args.no_progress:
             from tqdm import tqdm
             bar = tqdm(total=steps_per_epoch, initial=step_in_epoch,
                        desc=f"epoch {epoch}", unit="step", file=sys.stdout,
                        mininterval=1.0)
-        t0, seen, loss_sum, steps_run = time.perf_counter(), 0, 0.0, 0
+        t0, seen, steps_run = time.perf_counter(), 0, 0
+        # summed on the device (float64: the same sum as in Python floats); reading it
+        # would make the host wait for the GPU, so it is read every --log-every steps
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        logged = (0.0, 0)  # the sum and the number of steps when last read
         for x, y in train_loader:
             if (step + 1 == args.fail_at_step and rank == world_size - 1
                     and restarts == 0):
@@ -592,7 +725,9 @@ def main(argv=None) -> None:
             # a seed per rank and step where ranks must differ (dropout, if a model had
             # it), also after a resume
             seed_everything(derive_seed(args.seed, step), rank)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            # no-ops for the GPU loader's batches, already there in this format
+            x = x.to(device, non_blocking=True, memory_format=memory_format)
+            y = y.to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
                 loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad(set_to_none=True)
@@ -601,10 +736,15 @@ def main(argv=None) -> None:
             scheduler.step()
             step, step_in_epoch, steps_run = step + 1, step_in_epoch + 1, steps_run + 1
             seen += len(x) * world_size
-            loss_sum += loss.item()
+            loss_sum += loss.detach()
             if bar is not None:
-                bar.set_postfix(loss=f"{loss.item():.3f}",
-                                img_s=f"{seen / (time.perf_counter() - t0):.0f}")
+                if (steps_run % args.log_every == 0
+                        or step_in_epoch == steps_per_epoch):
+                    total = float(loss_sum)  # waits for the GPU: every N steps only
+                    bar.set_postfix(
+                        loss=f"{(total - logged[0]) / (steps_run - logged[1]):.3f}",
+                        img_s=f"{seen / (time.perf_counter() - t0):.0f}")
+                    logged = (total, steps_run)
                 bar.update(1)
             if (args.checkpoint_every and step % args.checkpoint_every == 0
                     and step_in_epoch < steps_per_epoch):
@@ -617,8 +757,9 @@ def main(argv=None) -> None:
             # stopped mid-epoch, as a job whose time ran out: save where it stands
             checkpoint()
             break
+        local_loss = float(loss_sum)  # waits for the epoch's last step: then time it
         elapsed = time.perf_counter() - t0
-        train_loss = sum_over_ranks(loss_sum, max(steps_run, 1))
+        train_loss = sum_over_ranks(local_loss, max(steps_run, 1))
         accuracy = evaluate(raw_model, test_loader, device)
         epoch, step_in_epoch = epoch + 1, 0
         checkpoint()
@@ -629,7 +770,8 @@ def main(argv=None) -> None:
                       "images_per_s": round(seen / elapsed, 1),
                       "epoch_seconds": round(elapsed, 2), "world_size": world_size,
                       "data": "synthetic" if synthetic else "cifar10",
-                      "model": args.model, "device": device.type}
+                      "model": args.model, "device": device.type,
+                      "loader": loader}
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
             print(json.dumps(record), flush=True)
@@ -639,8 +781,8 @@ def main(argv=None) -> None:
     if master:
         metrics.close()
         if epoch == args.epochs:
-            # loads anywhere, GPU or not
-            final = {k: v.cpu() for k, v in raw_model.state_dict().items()}
+            # loads anywhere, GPU or not, in the default memory format
+            final = {k: v.cpu().contiguous() for k, v in raw_model.state_dict().items()}
             torch.save(final, os.path.join(args.out, "model_final.pt"))
     if ddp:
         dist.destroy_process_group()
