@@ -1,9 +1,9 @@
-"""utils.gpu_loader on CPU tensors (the same code runs on CUDA): the batched augmentation
-equals the plain per-sample reference image by image; torchvision's crop and flip give
-the same images for the same draws; the order is ShardSampler's, shard by shard; a
-loader started at any batch yields the rest of the epoch exactly; the draws are a pure
-function of (seed, epoch, index), evenly spread; the loop converts nothing to Python;
-bad input is refused with a message."""
+"""utils.gpu_loader on CPU tensors (the same code runs on CUDA): the batched
+augmentation equals the plain per-sample reference image by image; torchvision's crop
+and flip give the same images for the same draws; the order is ShardSampler's, shard
+by shard; a loader started at any batch yields the rest of the epoch exactly; the
+draws are a pure function of (seed, epoch, index), evenly spread; the loop converts
+nothing to Python; bad input is refused with a message."""
 
 import numpy as np
 import pytest
@@ -30,7 +30,8 @@ def batches(loader):
 
 
 @pytest.mark.parametrize("seed, epoch, batch_size, channels_last", [
-    (0, 0, 16, False), (0, 3, 7, True), (12345, 1, 75, False), (2**64 - 10, 9, 32, True),
+    (0, 0, 16, False), (0, 3, 7, True), (12345, 1, 75, False),
+    (2**64 - 10, 9, 32, True),
 ])
 def test_every_batched_image_equals_the_per_sample_reference(seed, epoch, batch_size,
                                                              channels_last):
@@ -49,7 +50,8 @@ def test_every_batched_image_equals_the_per_sample_reference(seed, epoch, batch_
     assert seen == 75
 
 
-@pytest.mark.parametrize("padding, flip", [(0, False), (0, True), (2, True), (9, False)])
+@pytest.mark.parametrize("padding, flip",
+                         [(0, False), (0, True), (2, True), (9, False)])
 def test_other_paddings_flips_and_a_non_square_layout_first_input(padding, flip):
     """(N, C, H, W) input of 5 x 12 images: no axis can be swapped unnoticed."""
     nhwc = images(20, height=5, width=12, channels=2, seed=1)
@@ -71,6 +73,17 @@ def test_other_paddings_flips_and_a_non_square_layout_first_input(padding, flip)
         x = augment_batch(nhwc, torch.arange(20), 4, 2, padding=0, flip=False, **norm)
         plain = nchw.float().div(255).sub(torch.tensor(norm["mean"]).view(2, 1, 1))
         assert torch.equal(x, plain.div(torch.tensor(norm["std"]).view(2, 1, 1)))
+
+
+def test_a_batch_gathered_elsewhere_is_augmented_with_its_samples_keys():
+    index = torch.tensor([70, 3, 3, 41, 0])
+    gathered = DATA[index].contiguous()  # as a DataLoader collates it
+    expected = augment_batch(DATA, index, 8, 2, channels_last=True)
+    got = augment_batch(gathered, torch.arange(5), 8, 2, keys=index, channels_last=True)
+    assert torch.equal(got, expected)
+    assert not torch.equal(got, augment_batch(gathered, torch.arange(5), 8, 2))
+    with pytest.raises(ValueError, match="one key per index: 4 keys for 5 indices"):
+        augment_batch(gathered, torch.arange(5), 8, 2, keys=index[:4])
 
 
 def test_the_reference_is_torchvisions_crop_with_zero_padding_and_flip():
@@ -127,13 +140,15 @@ def test_the_draws_are_evenly_spread_and_unrelated_across_indices_epochs_and_see
     assert abs((flip == flip1).float().mean() - 0.5) < 0.01  # epochs flip independently
 
 
-@pytest.mark.parametrize("n, replicas, batch_size, drop_last, drop_last_batch, shuffle", [
+@pytest.mark.parametrize(
+        "n, replicas, batch_size, drop_last, drop_last_batch, shuffle", [
     (75, 1, 16, False, False, True), (75, 2, 8, False, False, True),
     (75, 4, 5, True, True, True), (75, 3, 10, False, True, False),
     (10, 4, 3, False, False, True), (3, 5, 2, False, False, True),
 ])
-def test_each_rank_gets_exactly_shardsamplers_indices(n, replicas, batch_size, drop_last,
-                                                      drop_last_batch, shuffle):
+def test_each_rank_gets_exactly_shardsamplers_indices(n, replicas, batch_size,
+                                                      drop_last, drop_last_batch,
+                                                      shuffle):
     for epoch in (0, 5):
         for rank in range(replicas):
             loader = GPULoader(DATA[:n], LABELS[:n], batch_size, num_replicas=replicas,

@@ -12,8 +12,10 @@ Public names (stable; the benchmark and chapter 11 import them):
 - ``GPULoader(images, labels, batch_size, ...)``: the loader. ``set_epoch(epoch,
   start_batch=0)`` then iterate: ``(images, labels)`` batches on the device, float32
   ``(B, C, H, W)`` (``channels_last`` strides if asked) and int64 ``(B,)``.
-- ``augment_batch(data, indices, seed, epoch, ...)``: the batched augmentation of
-  ``data[indices]`` (``data``: ``(N, H, W, C)`` uint8 on any device).
+- ``augment_batch(data, indices, seed, epoch, ..., keys=None)``: the batched
+  augmentation of ``data[indices]`` (``data``: ``(N, H, W, C)`` uint8 on any device);
+  ``keys`` (default ``indices``) are the sample indices that key the draws, for a
+  batch gathered elsewhere.
 - ``reference_augment(image, seed, epoch, index, ...)``: the same augmentation for one
   sample, written plainly; the tests compare the two image by image.
 - ``augment_draws(seed, epoch, indices, padding)``: the crop offsets and flips of many
@@ -242,12 +244,15 @@ def augment_batch(data: torch.Tensor, indices, seed: int, epoch: int, *,
                   padding: int = 4, flip: bool = True,
                   mean: Sequence[float] = CIFAR_MEAN,
                   std: Sequence[float] = CIFAR_STD,
-                  channels_last: bool = False) -> torch.Tensor:
+                  channels_last: bool = False, keys=None) -> torch.Tensor:
     """``data[indices]`` augmented as ``reference_augment`` augments each sample.
 
     ``data``: uint8 ``(N, H, W, C)`` on any device (the loader's resident layout);
-    ``indices``: 1-D integer tensor on the same device. Returns float32
-    ``(B, C, H, W)``, with ``channels_last`` strides if asked.
+    ``indices``: 1-D integer tensor. The draws of ``data[indices[i]]`` are keyed by
+    ``(seed, epoch, keys[i])``; ``keys`` defaults to ``indices``, and is for a batch
+    gathered elsewhere (a DataLoader's): ``augment_batch(batch, arange(B), seed,
+    epoch, keys=its_indices)``. Returns float32 ``(B, C, H, W)``, with
+    ``channels_last`` strides if asked.
     """
     if (not isinstance(data, torch.Tensor) or data.dtype != torch.uint8
             or data.dim() != 4 or not data.is_contiguous()):
@@ -262,7 +267,11 @@ def augment_batch(data: torch.Tensor, indices, seed: int, epoch: int, *,
     if mean_t.numel() != data.shape[3]:
         raise ValueError(f"data has {data.shape[3]} channels (last dimension) but "
                          f"mean and std have {mean_t.numel()} values")
-    draws = _draws(_epoch_key(seed, epoch), indices, 2 * padding + 1)
+    keys = indices if keys is None else _check_indices(keys).to(data.device)
+    if keys.shape != indices.shape:
+        raise ValueError(f"keys must have one key per index: {len(keys)} keys for "
+                         f"{len(indices)} indices")
+    draws = _draws(_epoch_key(seed, epoch), keys, 2 * padding + 1)
     return _augment(data, indices, draws, padding, flip, mean_t, std_t,
                     check_bool("channels_last", channels_last))
 
