@@ -1,4 +1,7 @@
-"""The book's rules for chapters, checked on every notebook (their outputs are checked by nbval)."""
+"""The book's rules for chapters, checked on every notebook.
+
+Their outputs are checked by nbval; these tests check what the book shows of them.
+"""
 
 import pathlib
 import re
@@ -8,7 +11,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # the chapters and the appendix notebooks
-NOTEBOOKS = sorted(p for p in (ROOT / "notebooks").glob("*.ipynb") if not p.name.startswith("_"))
+NOTEBOOKS = sorted(p for p in (ROOT / "notebooks").glob("*.ipynb")
+                   if not p.name.startswith("_"))
 
 
 def test_there_are_chapters():
@@ -20,32 +24,231 @@ def test_chapter_rules(path):
     nb = nbformat.read(path, as_version=4)
     markdown = [c.source for c in nb.cells if c.cell_type == "markdown"]
     code = [c for c in nb.cells if c.cell_type == "code"]
-    assert markdown[0].startswith("# ") and not markdown[0].startswith("# #"), "the first cell is the title"
-    assert not any(re.match(r"#\s+#", m) for m in markdown), "a heading with a stray '# '"
-    assert "you will learn" in markdown[0], "learning goals at the top"
-    assert any("## Summary" in m for m in markdown) and any("## Exercises" in m for m in markdown)
-    assert any("image/png" in o.get("data", {}) for c in code for o in c.outputs), "at least one picture"
+    title = markdown[0]
+    assert title.startswith("# ") and not title.startswith("# #"), (
+        "the first cell is the title")
+    assert not any(re.match(r"#\s+#", m) for m in markdown), (
+        "a heading with a stray '# '")
+    assert "you will learn" in title, "learning goals at the top"
+    assert any("## Summary" in m for m in markdown)
+    assert any("## Exercises" in m for m in markdown)
+    assert any("image/png" in o.get("data", {}) for c in code for o in c.outputs), (
+        "at least one picture")
     assert sum(bool(c.outputs) for c in code) >= len(code) / 2, "committed with outputs"
-    assert not any(o.output_type == "error" for c in code for o in c.outputs), "no stored errors"
-    exempt = [c for c in code if "NBVAL_IGNORE_OUTPUT" in c.source or "NBVAL_SKIP" in c.source]
-    assert len(exempt) <= 0.15 * len(code), "at most 15% of code cells exempt from comparison"
+    assert not any(o.output_type == "error" for c in code for o in c.outputs), (
+        "no stored errors")
+    exempt = [c for c in code
+              if "NBVAL_IGNORE_OUTPUT" in c.source or "NBVAL_SKIP" in c.source]
+    assert len(exempt) <= 0.15 * len(code), (
+        "at most 15% of code cells exempt from comparison")
     assert all("assert" in c.source for c in exempt), "an exempt cell asserts its claim"
-    assert f"notebooks/{path.stem}" in (ROOT / "_toc.yml").read_text(), "listed in _toc.yml"
+    assert f"notebooks/{path.stem}" in (ROOT / "_toc.yml").read_text(), (
+        "listed in _toc.yml")
 
 
-# Code that starts processes whose start method follows the platform's (DataLoader workers,
-# torchrun's workers, multiprocessing): such a chapter must be in the Makefile's spawn pass.
-STARTS_PROCESSES = re.compile(r"num_workers=(?!0\b)|--workers|multiprocessing|torch\.distributed\.run")
+# Code that starts processes whose start method follows the platform's (DataLoader
+# workers, torchrun's workers, multiprocessing): such a chapter must be in the
+# Makefile's spawn pass.
+STARTS_PROCESSES = re.compile(
+    r"num_workers=(?!0\b)|--workers|multiprocessing|torch\.distributed\.run")
 
 
 def test_every_chapter_that_starts_worker_processes_is_in_the_spawn_pass():
     makefile = (ROOT / "Makefile").read_text()
     makefile = makefile.replace("\\\n", " ")  # join continued lines
-    listed = set(re.search(r"^SPAWN_NOTEBOOKS\s*:=(.*)$", makefile, re.M).group(1).split())
-    starting = {p.stem for p in NOTEBOOKS
-                if STARTS_PROCESSES.search("\n".join(c.source for c in nbformat.read(p, as_version=4).cells
-                                                    if c.cell_type == "code"))}
-    missing = sorted(n for n in listed if not (ROOT / "notebooks" / f"{n}.ipynb").exists())
+    spawn = re.search(r"^SPAWN_NOTEBOOKS\s*:=(.*)$", makefile, re.M)
+    listed = set(spawn.group(1).split())
+    starting = set()
+    for p in NOTEBOOKS:
+        cells = nbformat.read(p, as_version=4).cells
+        if STARTS_PROCESSES.search("\n".join(c.source for c in cells
+                                             if c.cell_type == "code")):
+            starting.add(p.stem)
+    missing = sorted(n for n in listed
+                     if not (ROOT / "notebooks" / f"{n}.ipynb").exists())
     assert not missing, f"SPAWN_NOTEBOOKS names notebooks that do not exist: {missing}"
-    assert starting <= listed, f"add {sorted(starting - listed)} to SPAWN_NOTEBOOKS in the Makefile"
-    assert {"03_set_epoch", "05_workers_seeding", "10_cifar10_ddp"} <= starting  # the pattern still finds them
+    assert starting <= listed, (
+        f"add {sorted(starting - listed)} to SPAWN_NOTEBOOKS in the Makefile")
+    # the pattern still finds them
+    assert {"03_set_epoch", "05_workers_seeding", "10_cifar10_ddp"} <= starting
+
+
+# --- what the book shows: line lengths, figures, widgets ------------------------------
+
+MAX_LINE = 88
+# the column is about 690 CSS px in a 1280-px window; a retina PNG is shown at half its
+# pixels, which IPython records in the output's metadata
+MAX_FIGURE_PX = 720
+TEXT_MIMES = ("text/plain", "text/markdown")
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+IMAGE_FILE = re.compile(r"^\S+\.(png|jpe?g|gif|svg|webp)$", re.I)
+FIGURE_NAME = re.compile(r"^fig-[a-z0-9]+(-[a-z0-9]+)+$")
+
+
+def _code_cells(path):
+    """(index, cell) of every code cell, the index counting all cells."""
+    nb = nbformat.read(path, as_version=4)
+    return [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+
+
+def _where(path, index, cell):
+    return f"{path.name} cell {index} (id {cell.get('id', '?')})"
+
+
+def _output_texts(output):
+    """(label, text) of each text an output shows: stream, text/plain, text/markdown."""
+    if output.output_type == "stream":
+        return [(f"{output.name}", output.text)]
+    data = output.get("data", {})
+    if WIDGET_MIME in data:
+        return []  # its text/plain is a fallback, never shown where widgets work
+    return [(mime, data[mime]) for mime in TEXT_MIMES if mime in data]
+
+
+def long_lines(path):
+    """Every code line and shown output line of a notebook over MAX_LINE characters."""
+    found = []
+    for i, cell in _code_cells(path):
+        for n, line in enumerate(cell.source.splitlines(), 1):
+            if len(line) > MAX_LINE:
+                found.append(f"{_where(path, i, cell)} code line {n}: "
+                             f"{len(line)} chars")
+        for k, output in enumerate(cell.outputs):
+            for label, text in _output_texts(output):
+                for n, line in enumerate(text.splitlines(), 1):
+                    if len(line) > MAX_LINE:
+                        found.append(f"{_where(path, i, cell)} output {k} ({label}) "
+                                     f"line {n}: {len(line)} chars: {line[:60]!r}...")
+    return found
+
+
+def figure_problems(path):
+    """What is missing for each image output to be a numbered, described figure."""
+    problems = []
+    for i, cell in _code_cells(path):
+        images = [o for o in cell.outputs
+                  if any(m.startswith("image/") for m in o.get("data", {}))]
+        if not images:
+            continue
+        where = _where(path, i, cell)
+        meta = cell.metadata.get("mystnb", {})
+        alt = str(meta.get("image", {}).get("alt", "")).strip()
+        figure = meta.get("figure", {})
+        if len(alt.split()) < 5 or IMAGE_FILE.match(alt):
+            problems.append(f"{where}: no alt text (mystnb.image.alt, a sentence "
+                            f"saying what the picture shows), got {alt!r}")
+        if not str(figure.get("caption", "")).strip():
+            problems.append(f"{where}: no caption (mystnb.figure.caption)")
+        if not FIGURE_NAME.match(str(figure.get("name", ""))):
+            problems.append(f"{where}: no figure name like 'fig-03-four-epochs' "
+                            f"(mystnb.figure.name), got {figure.get('name')!r}")
+        # myst-nb wraps every rich output of the cell in the figure: one, or the name
+        # would label several figures
+        rich = [o for o in cell.outputs
+                if o.output_type in ("display_data", "execute_result")]
+        if len(rich) != 1:
+            problems.append(f"{where}: {len(rich)} rich outputs in a figure cell; "
+                            "expected the figure only (print the rest)")
+        for image in images:
+            size = image.get("metadata", {}).get("image/png", {})
+            if "image/png" in image.get("data", {}) and "width" not in size:
+                problems.append(f"{where}: PNG without width metadata (not retina: "
+                                '%config InlineBackend.figure_formats = ["retina"])')
+            elif size.get("width", 0) > MAX_FIGURE_PX:
+                problems.append(f"{where}: figure {size['width']} px wide, over the "
+                                f"column's {MAX_FIGURE_PX}")
+    return problems
+
+
+@pytest.mark.parametrize("check", [long_lines, figure_problems],
+                         ids=["lines_within_88", "figures_with_alt_caption_name"])
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_what_the_book_shows(path, check):
+    """Code and output lines fit the page; each picture is a described, numbered figure."""
+    problems = check(path)
+    assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems)
+
+
+def test_figure_names_are_unique_across_the_book():
+    names = [cell.metadata["mystnb"]["figure"]["name"]
+             for path in NOTEBOOKS for _, cell in _code_cells(path)
+             if "name" in cell.metadata.get("mystnb", {}).get("figure", {})]
+    assert len(names) >= 16
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+# a text size below 9 pt, set in a chapter or in utils/viz.py
+SMALL_FONT = re.compile(r"""\b(?:fontsize|labelsize|size)\s*=\s*"""
+                        r"""(?:(\d+(?:\.\d+)?)\b|["'](xx?-small|small|smaller)["'])""")
+
+
+def test_no_figure_text_is_set_below_9_points():
+    sources = {p.name: "\n".join(c.source for _, c in _code_cells(p))
+               for p in NOTEBOOKS}
+    sources["utils/viz.py"] = (ROOT / "utils" / "viz.py").read_text()
+    small = [(name, m.group(0)) for name, text in sources.items()
+             for m in SMALL_FONT.finditer(text)
+             if m.group(2) or float(m.group(1)) < 9]
+    assert not small, small
+
+
+def test_widgets_are_shown_in_the_book_as_a_static_figure():
+    """A widget needs a kernel: the book drops its output and shows a picture."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    widget_cells = 0
+    for path in NOTEBOOKS:
+        cells = _code_cells(path)
+        for k, (i, cell) in enumerate(cells):
+            if not any(WIDGET_MIME in o.get("data", {}) for o in cell.outputs):
+                continue
+            widget_cells += 1
+            where = _where(path, i, cell)
+            assert "remove-output" in cell.metadata.get("tags", []), (
+                f"{where}: a widget output, blank or dead without a kernel; tag the "
+                "cell 'remove-output' and draw a static figure in the next cell")
+            caption = cells[k + 1][1].metadata.get("mystnb", {}).get("figure", {}).get(
+                "caption", "") if k + 1 < len(cells) else ""
+            assert "Jupyter" in caption, (
+                f"{where}: the next code cell should show the widget's picture, with a "
+                "caption saying that it is live in Jupyter")
+    assert widget_cells >= 1  # chapter 2's shard explorer
+    # no CDN script for widgets in the book (their outputs are removed)
+    assert config["sphinx"]["config"].get("nb_ipywidgets_js") == {}
+
+
+def test_the_checks_report_what_they_should(tmp_path):
+    """A notebook with each defect: every one is reported, with its cell and line."""
+    png = {"image/png": "iVBORw0KGgo=", "text/plain": "<Figure size 680x300>"}
+
+    def size(width):
+        return {"image/png": {"width": width, "height": 300}}
+
+    good_meta = {"mystnb": {
+        "image": {"alt": "Two rows of cells: the same order twice."},
+        "figure": {"caption": "An order.", "name": "fig-00-order"}}}
+    cells = [
+        nbformat.v4.new_code_cell("x = 1\n" + "y" * 89),  # a long code line
+        nbformat.v4.new_code_cell("print(x)", outputs=[nbformat.v4.new_output(
+            "stream", name="stdout", text="ok\n" + "z" * 89 + "\n")]),
+        nbformat.v4.new_code_cell("plt.show()", metadata=good_meta, outputs=[
+            nbformat.v4.new_output("display_data", data=png, metadata=size(680))]),
+        nbformat.v4.new_code_cell("plt.show()", outputs=[  # no alt, caption, retina
+            nbformat.v4.new_output("display_data", data=png)]),
+        nbformat.v4.new_code_cell("plt.show()", metadata={"mystnb": {
+            "image": {"alt": "c023cdd93182d9077f5c.png"},
+            "figure": {"caption": "Wide.", "name": "fig-00-wide"}}}, outputs=[
+            nbformat.v4.new_output("display_data", data=png, metadata=size(900))]),
+    ]
+    path = tmp_path / "00_defects.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
+    assert long_lines(path) == [
+        "00_defects.ipynb cell 0 (id %s) code line 2: 89 chars" % cells[0].id,
+        "00_defects.ipynb cell 1 (id %s) output 0 (stdout) line 2: 89 chars: %r..."
+        % (cells[1].id, "z" * 60)]
+    problems = figure_problems(path)
+    assert not any("cell 2 " in p for p in problems)  # the good figure
+    assert sum("cell 3 " in p for p in problems) == 4  # alt, caption, name, retina
+    assert any("cell 4 " in p and "alt" in p for p in problems)
+    assert any("cell 4 " in p and "900 px wide" in p for p in problems)
