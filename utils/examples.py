@@ -296,3 +296,36 @@ def split_range_per_worker(worker_id):
     start, size = stream.start, stream.end - stream.start
     stream.start = start + size * g // total
     stream.end = start + size * (g + 1) // total
+
+
+# --- chapter 11: loader throughput ----------------------------------------------------
+
+class IndexPid(Dataset):
+    """Sample i is (i, the id of the process that loaded it), for ``n`` samples."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        return index, os.getpid()
+
+
+class FileNames(Dataset):
+    """``n`` file names, kept as a Python list of str (``storage="list"``) or as one
+    NumPy array of fixed-width bytes (``storage="array"``); sample i is the length of
+    name i and the id of the process that loaded it."""
+
+    def __init__(self, n, storage="list"):
+        if storage not in ("list", "array"):
+            raise ValueError(f"storage must be 'list' or 'array', got {storage!r}")
+        names = [f"train/class_{i % 1000:03d}/image_{i:08d}.jpg" for i in range(n)]
+        self.names = names if storage == "list" else np.array(names, dtype=np.bytes_)
+
+    def __len__(self):
+        return len(self.names)
+
+    def __getitem__(self, index):
+        return len(self.names[index]), os.getpid()

@@ -168,7 +168,11 @@ def stage_times(data: np.ndarray, samples: int = 2048, batch_size: int = 256,
     (the array to a PIL image, all that torchvision's CIFAR10 does to read one),
     ``pil_ops`` (crop with padding, flip), ``to_tensor``, ``normalize``, ``collate``
     (stacking a batch, per sample) and, on CUDA, ``pin`` and ``transfer`` (per sample of
-    a pinned batch copied to the GPU). Median over ``repeats`` rounds."""
+    a pinned batch copied to the GPU). Median over ``repeats`` rounds.
+
+    The CPU stages are timed in this thread's CPU time, which other processes on a busy
+    machine do not inflate; ``pin`` and ``transfer`` in wall-clock time (the GPU's).
+    """
     from PIL import Image
     from torchvision import transforms as T
 
@@ -178,7 +182,7 @@ def stage_times(data: np.ndarray, samples: int = 2048, batch_size: int = 256,
     device = torch.device(device or "cpu")
     crop, flip = T.RandomCrop(32, padding=PAD), T.RandomHorizontalFlip()
     to_tensor, normalize = T.ToTensor(), T.Normalize(CIFAR_MEAN, CIFAR_STD)
-    clock = time.perf_counter
+    clock = time.thread_time
     rounds = []
     for _ in range(repeats):
         spent = dict.fromkeys(["decode", "pil_ops", "to_tensor", "normalize"], 0.0)
@@ -203,15 +207,15 @@ def stage_times(data: np.ndarray, samples: int = 2048, batch_size: int = 256,
         collated = [default_collate(b) for b in batches]
         spent["collate"] = clock() - t0
         if device.type == "cuda":
-            t0 = clock()
+            t0 = time.perf_counter()
             pinned = [b[0].pin_memory() for b in collated]
-            spent["pin"] = clock() - t0
+            spent["pin"] = time.perf_counter() - t0
             torch.cuda.synchronize(device)
-            t0 = clock()
+            t0 = time.perf_counter()
             for b in pinned:
                 b.to(device, non_blocking=True)
             torch.cuda.synchronize(device)
-            spent["transfer"] = clock() - t0
+            spent["transfer"] = time.perf_counter() - t0
         rounds.append({k: 1e6 * v / samples for k, v in spent.items()})
     return {k: round(statistics.median(r[k] for r in rounds), 3) for k in rounds[0]}
 
@@ -253,6 +257,15 @@ def _host_to_device_bandwidth(device, nbytes: int, repeats: int = 5) -> dict:
     return out
 
 
+def _load_average() -> list[float] | None:
+    """The 1-, 5- and 15-minute load averages (runnable processes), where the OS
+    reports them."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -273,29 +286,36 @@ def _threads(n: int):
 
 class _Case:
     """One configuration: its description, and ``run_pass(epoch)``, which runs one
-    timed pass and returns (images, seconds to the first batch)."""
+    timed pass and returns (images, seconds to the first batch). Each pass records its
+    wall time and the CPU time of this process (all its threads, not its workers)."""
 
     def __init__(self, info: dict, run_pass: Callable[[int], tuple[int, float]],
                  threads: int, device: torch.device):
         self.info, self.run_pass = info, run_pass
         self.threads, self.device = threads, device
-        self.seconds, self.first_batch = [], []
+        self.seconds, self.cpu_seconds, self.first_batch = [], [], []
 
     def timed(self) -> None:
         with _threads(self.threads):
             _sync(self.device)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             images, first = self.run_pass(len(self.seconds))
             _sync(self.device)
             self.seconds.append(time.perf_counter() - start)
+            self.cpu_seconds.append(time.process_time() - cpu_start)
         self.images = images
         self.first_batch.append(first)
 
     def result(self, warmup: int) -> dict:
         median = statistics.median(self.seconds[warmup:])
+        cpu_median = statistics.median(self.cpu_seconds[warmup:])
         return {**self.info, "threads": self.threads, "images_per_pass": self.images,
                 "images_per_s": round(self.images / median, 1),
+                # per second of this process's CPU time: a per-core rate that other
+                # jobs on the machine do not dilute (with num_workers=0 and one thread)
+                "images_per_main_cpu_s": round(self.images / max(cpu_median, 1e-9), 1),
                 "pass_s": [round(s, 5) for s in self.seconds],
+                "main_cpu_s": [round(s, 5) for s in self.cpu_seconds],
                 "first_batch_s": [round(s, 5) for s in self.first_batch],
                 "warmup_passes": warmup}
 
@@ -402,7 +422,12 @@ def run_loader_bench(root: str | None = None, quick: bool = False, device=None,
                     "pass_images": pass_images, "repeats": repeats,
                     "warmup": preset["warmup"],
                     "prefetch_factors": preset["prefetch_factors"]}
+        load_before = _load_average()
         result = _measure(pil_set, device, settings, stages, log)
+        # other processes on the machine slow every configuration; ratios measured in
+        # one run are what to compare
+        result["meta"]["load_average"] = {"before": load_before,
+                                          "after": _load_average()}
         result["meta"]["data"] = {
             "source": ("synthetic CIFAR-10 (utils.data.write_synthetic_cifar10)"
                        if synthetic else "CIFAR-10"),
@@ -581,17 +606,21 @@ def _targets(results, best, cuda) -> dict:
     pil0 = find("pil_dataloader", num_workers=0, pin_memory=False)
     tensor0 = find("tensor_aug_dataloader", num_workers=0)
     cpu_resident = find("resident_pipeline", device="cpu", threads=1)
+    def per_core(fast, what):
+        return {
+            "ratio": round(fast["images_per_main_cpu_s"]
+                           / pil0["images_per_main_cpu_s"], 2),
+            "ratio_wall_clock": round(fast["images_per_s"] / pil0["images_per_s"], 2),
+            "images_per_cpu_s": fast["images_per_main_cpu_s"],
+            "pil_images_per_cpu_s": pil0["images_per_main_cpu_s"],
+            "definition": f"{what} over pil_dataloader, both with num_workers=0 and 1 "
+                          f"torch thread, in images per second of the process's CPU "
+                          f"time (ratio_wall_clock: per second of wall-clock time)"}
+
     targets = {
-        "cpu_tensor_aug_vs_pil_per_core": {
-            "ratio": round(tensor0["images_per_s"] / pil0["images_per_s"], 2),
-            "tensor_aug_images_per_s": tensor0["images_per_s"],
-            "pil_images_per_s": pil0["images_per_s"],
-            "definition": "tensor_aug_dataloader over pil_dataloader, both with "
-                          "num_workers=0 (one process) and 1 torch thread"},
-        "cpu_resident_vs_pil_per_core": {
-            "ratio": round(cpu_resident["images_per_s"] / pil0["images_per_s"], 2),
-            "definition": "resident_pipeline on the CPU (1 thread) over "
-                          "pil_dataloader with num_workers=0"},
+        "cpu_tensor_aug_vs_pil_per_core": per_core(tensor0, "tensor_aug_dataloader"),
+        "cpu_resident_vs_pil_per_core": per_core(cpu_resident,
+                                                 "resident_pipeline on the CPU"),
     }
     if cuda:
         gpu = find("resident_pipeline", device="cuda")
@@ -638,6 +667,8 @@ def format_table(result: dict) -> str:
     t = result["targets"]["cpu_tensor_aug_vs_pil_per_core"]
     lines.append(f"CPU, one core each: whole-batch tensor augmentation / PIL pipeline "
                  f"= {t['ratio']:.2f}")
+    lines.append(f"  (images per CPU second of the process; per wall-clock second "
+                 f"{t['ratio_wall_clock']:.2f})")
     gpu = result["targets"].get("gpu_resident_vs_best_dataloader")
     if gpu:
         lines.append(f"GPU-resident epoch of {gpu['epoch_images']} images: "
