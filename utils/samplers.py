@@ -19,7 +19,9 @@ number of items.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
+import numbers
 from typing import Iterator, Sequence, Sized
 
 import numpy as np
@@ -39,6 +41,9 @@ __all__ = [
     "shard_indices",
     "stride_shard",
     "num_samples_per_rank",
+    "PermutationShardSampler",
+    "CountingLoader",
+    "permute",
 ]
 
 MAX_SEED = 2**64 - 1  # the largest value torch.Generator.manual_seed accepts
@@ -490,3 +495,259 @@ class ClassBalancedBatchSampler(_EpochSampler):
 
     def __len__(self) -> int:
         return self.num_batches
+
+
+# --- PermutationShardSampler: the epoch's order as a keyed bijection -----------------
+
+_ROUNDS = 4  # Luby-Rackoff: 4 Feistel rounds with good round functions are enough
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's multipliers
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_FIRST_CHUNK = 1024  # small, so the first index comes quickly
+_MAX_CHUNK = 1 << 16  # large enough to amortise NumPy's per-call cost
+
+
+def feistel_bits(n: int) -> int:
+    """Bits of the Feistel domain for ``[0, n)``: the smallest even number ``b >= 2``
+    with ``2**b >= n``, so the domain holds at most ``4n`` values."""
+    bits = max(2, (max(n, 1) - 1).bit_length())
+    return bits + bits % 2
+
+
+def round_keys(seed: int, epoch: int, rounds: int = _ROUNDS) -> np.ndarray:
+    """The round keys of ``(seed, epoch)``: ``rounds`` uint64 values from NumPy's
+    ``SeedSequence``, the same on every rank and every machine."""
+    seed, epoch = check_seed_and_epoch(seed, epoch)
+    return np.random.SeedSequence([seed, epoch]).generate_state(rounds,
+                                                                dtype=np.uint64)
+
+
+def _feistel(x: np.ndarray, bits: int, keys: np.ndarray) -> np.ndarray:
+    """One pass of the Feistel network on ``[0, 2**bits)`` (``x`` uint64, kept)."""
+    half = np.uint64(bits // 2)
+    mask = np.uint64((1 << (bits // 2)) - 1)
+    left = x >> half
+    right = x & mask
+    t = np.empty_like(x)
+    for key in keys:
+        # t = hash(right, key): splitmix64's finaliser, cut to the half's width
+        np.bitwise_xor(right, key, out=t)
+        t *= _MIX1
+        t ^= t >> np.uint64(31)
+        t *= _MIX2
+        t ^= t >> np.uint64(29)
+        t &= mask
+        left ^= t
+        left, right = right, left
+    left <<= half
+    left |= right
+    return left
+
+
+def permute(positions, n: int, keys: np.ndarray) -> np.ndarray:
+    """Where each of ``positions`` (integers in ``[0, n)``) goes under the keyed
+    bijection of ``[0, n)``: the Feistel network on ``[0, 2**bits)``, applied again to
+    the values that land outside ``[0, n)`` (cycle walking) until all are inside."""
+    x = np.asarray(positions, dtype=np.uint64)
+    if x.size and int(x.max()) >= n:
+        raise ValueError(f"positions must lie in [0, n) = [0, {n}), "
+                         f"got {int(x.max())}")
+    bits = feistel_bits(n)
+    x = _feistel(x, bits, keys)
+    outside = np.flatnonzero(x >= np.uint64(n))
+    while outside.size:
+        x[outside] = _feistel(x[outside], bits, keys)
+        outside = outside[x[outside] >= np.uint64(n)]
+    return x.astype(np.int64)
+
+
+class PermutationShardSampler(_EpochSampler):
+    """``ShardSampler``'s contract in O(1) memory, with exact (and elastic) resume.
+
+    The epoch's global order is a keyed bijection of ``[0, n)``: position ``p`` holds
+    index ``permute(p)``, a Feistel network keyed by ``(seed, epoch)`` with cycle
+    walking, computed on demand in chunks, never as a list of ``n``. Rank ``r`` of
+    ``R`` takes positions ``r, r + R, r + 2R, ...`` like ``DistributedSampler``, so
+    every global batch of ``R x batch_size`` positions is a contiguous block of the
+    order; the tail is padded by repeating the order from its start, or dropped with
+    ``drop_last``.
+
+    The state is ``(seed, epoch, consumed)``, where ``consumed`` counts the positions
+    the training loop has received, over all ranks. After ``load_state_dict`` the next
+    iteration yields positions ``consumed, consumed + 1, ...`` dealt over this
+    sampler's ranks, whatever their number: with any ``num_replicas`` and any
+    ``num_workers`` the ranks see exactly the unseen part of the epoch. Count with
+    :class:`CountingLoader`: the sampler itself runs ahead of the loop by the
+    DataLoader's prefetch.
+    """
+
+    def __init__(self, n, num_replicas: int | None = None, rank: int | None = None,
+                 seed: int = 0, drop_last: bool = False,
+                 batch_size: int | None = None) -> None:
+        if not isinstance(n, numbers.Integral) and hasattr(n, "__len__"):
+            n = len(n)
+        self.n = check_int("n (the data set size, or a Sized data set)", n,
+                           minimum=0, maximum=2**62)
+        super().__init__(num_replicas, rank, seed)
+        self.drop_last = check_bool("drop_last", drop_last)
+        if batch_size is not None:
+            batch_size = check_int("batch_size", batch_size, minimum=1)
+        self.batch_size = batch_size
+        self.start = 0  # positions consumed before the next iteration begins
+        self.iter_start = 0  # ``start`` of the iteration under way (or the last)
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """``num_replicas x batch_size``, or None when no ``batch_size`` was given."""
+        if self.batch_size is None:
+            return None
+        return self.num_replicas * self.batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the order of ``epoch`` from now on; a new epoch starts from its
+        beginning, the same epoch keeps a loaded resume point."""
+        old = self.epoch
+        super().set_epoch(epoch)
+        if self.epoch != old:
+            self.start = 0
+
+    def keys(self) -> np.ndarray:
+        return round_keys(self.seed, self.epoch)
+
+    def global_order(self, positions) -> np.ndarray:
+        """The indices at ``positions`` of the epoch's global order (positions past
+        ``n`` wrap to the start, as padding does)."""
+        p = np.asarray(positions, dtype=np.int64)
+        if self.n == 0:
+            if p.size:
+                raise ValueError("an empty data set has no positions")
+            return p
+        if p.size and int(p.min()) < 0:
+            raise ValueError(f"positions must be >= 0, got {int(p.min())}")
+        return permute(p % self.n, self.n, self.keys())
+
+    def _remaining(self, start: int) -> int:
+        return max(self.n - start, 0)
+
+    def __len__(self) -> int:
+        left = self._remaining(self.start)
+        if self.drop_last:
+            return left // self.num_replicas
+        return -(-left // self.num_replicas)
+
+    def _chunks(self, start: int, count: int) -> Iterator[list[int]]:
+        R = self.num_replicas
+        keys, n = self.keys(), self.n
+        first = start + self.rank
+        done, size = 0, _FIRST_CHUNK
+        while done < count:
+            k = min(size, count - done)
+            p = np.arange(done, done + k, dtype=np.uint64)
+            p *= np.uint64(R)
+            p += np.uint64(first)
+            if first + R * (done + k - 1) >= n:  # padding: wrap to the start
+                p %= np.uint64(n)
+            yield permute(p, n, keys).tolist()
+            done += k
+            size = min(2 * size, _MAX_CHUNK)
+        self.start = 0  # the epoch is finished: a new iteration starts it again
+
+    def __iter__(self) -> Iterator[int]:
+        self.iter_start = self.start
+        return itertools.chain.from_iterable(self._chunks(self.start, len(self)))
+
+    def state_dict(self, received: int = 0) -> dict:
+        """``(seed, epoch, consumed)``: ``received`` is how many indices this rank's
+        training loop got in the current iteration (:class:`CountingLoader` passes
+        it); every rank has received as many, so ``consumed`` counts them ``R``
+        times."""
+        received = check_int("received", received, minimum=0)
+        consumed = self.iter_start + self.num_replicas * received
+        return {"n": self.n, "seed": self.seed, "epoch": self.epoch,
+                "consumed": min(consumed, max(self.n, self.iter_start)),
+                "global_batch_size": self.global_batch_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state``: the next iteration yields this rank's share of the
+        positions after ``state["consumed"]``. ``num_replicas`` may differ from the
+        saving run's; the global batch size (when both runs give one) may not."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict from state_dict(), "
+                            f"got {type(state).__name__}")
+        missing = {"n", "seed", "epoch", "consumed"} - set(state)
+        if missing:
+            raise ValueError(f"state lacks {sorted(missing)}; expected the dict "
+                             f"state_dict() returns")
+        if state["n"] != self.n:
+            raise ValueError(f"state is for n={state['n']}, this sampler has "
+                             f"n={self.n}: resume needs the same data set")
+        saved_batch = state.get("global_batch_size")
+        if None not in (saved_batch, self.global_batch_size) \
+                and saved_batch != self.global_batch_size:
+            raise ValueError(
+                f"state was saved with a global batch of {saved_batch}, this sampler "
+                f"has num_replicas x batch_size = {self.global_batch_size}: keep "
+                f"the global batch size, so the batches stay the same blocks")
+        seed, epoch = check_seed_and_epoch(state["seed"], state["epoch"])
+        consumed = check_int("state['consumed']", state["consumed"], minimum=0)
+        self.seed, self.epoch, self.start = seed, epoch, consumed
+        self.iter_start = consumed
+
+    def __repr__(self) -> str:
+        return (f"PermutationShardSampler(n={self.n}, "
+                f"num_replicas={self.num_replicas}, rank={self.rank}, "
+                f"seed={self.seed}, drop_last={self.drop_last}, "
+                f"batch_size={self.batch_size}, epoch={self.epoch}, "
+                f"start={self.start})")
+
+
+def batch_length(batch) -> int:
+    """How many samples a collated batch holds: the length of its first tensor (or
+    sequence), looking inside tuples, lists and dicts."""
+    if isinstance(batch, dict):
+        if not batch:
+            raise ValueError("cannot count the samples of an empty dict batch")
+        return batch_length(next(iter(batch.values())))
+    if isinstance(batch, (tuple, list)) and batch and \
+            isinstance(batch[0], (torch.Tensor, np.ndarray, tuple, list, dict)):
+        return batch_length(batch[0])
+    try:
+        return len(batch)
+    except TypeError:
+        raise TypeError(f"cannot count the samples of a batch of type "
+                        f"{type(batch).__name__}; pass count= to "
+                        f"CountingLoader") from None
+
+
+class CountingLoader:
+    """A DataLoader that counts what the training loop received, for exact resume.
+
+    Iterate it instead of the DataLoader; ``state_dict()`` then gives the
+    ``PermutationShardSampler`` state at the batch the loop has last received,
+    however far the DataLoader's workers have prefetched.
+    """
+
+    def __init__(self, loader, count=batch_length) -> None:
+        sampler = getattr(loader, "sampler", None)
+        if not isinstance(sampler, PermutationShardSampler):
+            raise TypeError(f"loader.sampler must be a PermutationShardSampler, got "
+                            f"{type(sampler).__name__}")
+        if not callable(count):
+            raise TypeError("count must be a function of a batch")
+        self.loader, self.sampler, self.count = loader, sampler, count
+        self.received = 0
+
+    def __iter__(self):
+        self.received = 0
+        for batch in self.loader:
+            self.received += self.count(batch)
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict(received=self.received)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+        self.received = 0

@@ -1,0 +1,259 @@
+"""PermutationShardSampler: an exact bijection per epoch, uniform positions, and
+resume (also on other numbers of ranks and workers) that yields exactly the unseen
+part of the epoch."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from utils.samplers import (CountingLoader, PermutationShardSampler, ShardSampler,
+                            permute, round_keys)
+
+# 3 and 4 workers on a 2-core machine: torch warns, the test means it
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+
+
+def rank_lists(n, R, seed=0, epoch=0, drop_last=False, state=None, batch_size=None):
+    out = []
+    for r in range(R):
+        s = PermutationShardSampler(n, R, r, seed=seed, drop_last=drop_last,
+                                    batch_size=batch_size)
+        s.set_epoch(epoch)
+        if state is not None:
+            s.load_state_dict(state)
+        out.append(list(s))
+    return out
+
+
+def test_bijection_exhaustive_small_n():
+    for seed in (0, 1, 7, 2**40 + 3):
+        keys = round_keys(seed, 0)
+        for n in range(0, 2001):
+            values = permute(np.arange(n), n, keys)
+            assert np.array_equal(np.sort(values), np.arange(n)), (seed, n)
+
+
+def test_bijection_random_n_up_to_a_million():
+    rng = random.Random(13)
+    for _ in range(12):
+        n, seed, epoch = rng.randrange(1, 10**6 + 1), rng.randrange(2**32), \
+            rng.randrange(100)
+        values = permute(np.arange(n), n, round_keys(seed, epoch))
+        assert np.bincount(values, minlength=n).max() == 1, (n, seed, epoch)
+
+
+def test_every_index_once_over_all_ranks_with_padding_and_drop_last():
+    for n in (0, 1, 5, 16, 17, 100, 1001):
+        for R in range(1, 17):
+            shares = rank_lists(n, R, seed=n + R)
+            per_rank = -(-n // R)
+            assert all(len(s) == per_rank for s in shares)
+            # rank r holds positions r, r + R, ...: put the global order back together
+            order = [shares[p % R][p // R] for p in range(per_rank * R)]
+            assert sorted(order[:n]) == list(range(n))
+            assert order[n:] == order[:per_rank * R - n]  # padding repeats the start
+            kept = rank_lists(n, R, seed=n + R, drop_last=True)
+            assert all(len(s) == n // R for s in kept)
+            flat = [kept[p % R][p // R] for p in range(n // R * R)]
+            assert flat == order[:n // R * R]
+
+
+def test_bit_set_at_a_hundred_million():
+    n, R = 10**8, 8
+    seen = np.zeros(n, dtype=bool)
+    sampler = PermutationShardSampler(n, R, 0, seed=5)
+    step = 10**7
+    for r in range(R):
+        for j in range(0, n // R, step):
+            idx = sampler.global_order(r + R * np.arange(j, min(j + step, n // R)))
+            assert not seen[idx].any()
+            seen[idx] = True
+    assert seen.all()
+
+
+def test_epochs_and_seeds_give_different_orders():
+    n = 1000
+    orders = set()
+    for seed in range(4):
+        for epoch in range(4):
+            s = PermutationShardSampler(n, 1, 0, seed=seed)
+            s.set_epoch(epoch)
+            orders.add(tuple(s))
+    assert len(orders) == 16
+    s = PermutationShardSampler(n, 1, 0, seed=3)
+    assert list(s) == list(s)  # the same epoch twice: the same order
+
+
+def chi_square_p(table: np.ndarray) -> float:
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    stat = ((table - expected) ** 2 / expected).sum()
+    df = (table.shape[0] - 1) * (table.shape[1] - 1)
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("n,keys", [(64, 3000), (1000, 300), (10**6, 1)])
+def test_positions_uniform_like_randperm(n, keys):
+    """Which value bucket each position bucket gets, over many keys: chi-square
+    independence, for ours and for torch.randperm on the same test."""
+    buckets = 8 if n < 10**6 else 100
+    ours = np.zeros((buckets, buckets))
+    theirs = np.zeros((buckets, buckets))
+    g = torch.Generator().manual_seed(0)
+    pos = np.arange(n) * buckets // n
+    for k in range(keys):
+        values = permute(np.arange(n), n, round_keys(k, 0))
+        np.add.at(ours, (pos, values * buckets // n), 1)
+        values = torch.randperm(n, generator=g).numpy()
+        np.add.at(theirs, (pos, values * buckets // n), 1)
+    p_ours, p_theirs = chi_square_p(ours), chi_square_p(theirs)
+    assert p_ours > 1e-3, (p_ours, p_theirs)
+    assert p_theirs > 1e-3, (p_ours, p_theirs)
+
+
+def test_first_position_is_uniform_over_keys():
+    n, keys = 10, 20000
+    firsts = np.array([permute(np.zeros(1, np.int64), n, round_keys(k, 1))[0]
+                       for k in range(keys)])
+    counts = np.bincount(firsts, minlength=n)
+    assert chi_square_p(np.stack([counts, np.full(n, keys // n)])) > 1e-3
+
+
+def consumed_positions(shares, R, per_rank_taken):
+    return [shares[p % R][p // R] for p in range(per_rank_taken * R)]
+
+
+def test_resume_and_elastic_resume_all_world_sizes():
+    rng = random.Random(0)
+    for R in range(1, 17):
+        for R2 in range(1, 17):
+            n = rng.randrange(0, 300)
+            seed, epoch = rng.randrange(1000), rng.randrange(5)
+            first = rank_lists(n, R, seed, epoch)
+            taken = rng.randrange(0, len(first[0]) + 1)
+            sampler = PermutationShardSampler(n, R, rng.randrange(R), seed=seed)
+            sampler.set_epoch(epoch)
+            iter(sampler)
+            state = sampler.state_dict(received=taken)
+            assert state["consumed"] == min(taken * R, n)
+            second = rank_lists(n, R2, seed=seed, epoch=epoch, state=state)
+            seen = consumed_positions(first, R, taken)[:n]
+            rest = [second[p % R2][p // R2] for p in range(len(second[0]) * R2)]
+            unseen = n - len(seen)
+            assert sorted(seen + rest[:unseen]) == list(range(n)), (n, R, R2, taken)
+            assert set(rest) <= set(range(n))
+
+
+class Indices(torch.utils.data.Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
+class PulledCount(PermutationShardSampler):
+    """Counts the indices the DataLoader took from the sampler."""
+
+    def __iter__(self):
+        self.pulled = 0
+        for i in super().__iter__():
+            self.pulled += 1
+            yield i
+
+
+def loaders(n, R, batch_size, workers, state=None):
+    out = []
+    for r in range(R):
+        sampler = PulledCount(n, R, r, seed=11, batch_size=batch_size)
+        sampler.set_epoch(2)
+        loader = CountingLoader(DataLoader(Indices(n), batch_size=batch_size,
+                                           sampler=sampler, num_workers=workers))
+        if state is not None:
+            loader.load_state_dict(state)
+        out.append(loader)
+    return out
+
+
+def test_counting_loader_counts_what_the_loop_received_not_the_prefetch():
+    n, B = 200, 4
+    (loader,) = loaders(n, 1, B, workers=2)
+    it = iter(loader)
+    got = [next(it).tolist() for _ in range(3)]
+    pulled = loader.sampler.pulled
+    print(f"loop received {loader.received} indices, the DataLoader had taken "
+          f"{pulled} from the sampler (2 workers x prefetch_factor 2)")
+    assert loader.received == 3 * B
+    assert pulled >= (3 + 2 * 2) * B  # 4 batches more sit in the workers' queues
+    # resuming from the sampler's own count would skip pulled - received samples
+    (resumed,) = loaders(n, 1, B, workers=0, state=loader.state_dict())
+    rest = [i for batch in resumed for i in batch.tolist()]
+    assert sorted(sum(got, []) + rest) == list(range(n))
+    del it
+
+
+@pytest.mark.parametrize("workers,workers2", [(0, 3), (1, 0), (2, 4), (3, 1), (4, 2)])
+def test_elastic_resume_through_dataloader(workers, workers2):
+    n, R, B, R2, B2 = 203, 4, 3, 2, 6  # the same global batch of 12
+    rng = random.Random(workers)
+    stop = rng.randrange(1, -(-n // R) // B)
+    first = loaders(n, R, B, workers)
+    seen, states = [], []
+    for loader in first:
+        it = iter(loader)
+        seen += [i for _ in range(stop) for i in next(it).tolist()]
+        states.append(loader.state_dict())
+        del it
+    assert all(s == states[0] for s in states)
+    second = loaders(n, R2, B2, workers2, state=states[0])
+    rest = [[i for batch in loader for i in batch.tolist()] for loader in second]
+    per_rank = -(-(n - len(seen)) // R2)
+    assert all(len(r) == per_rank for r in rest)
+    flat = [rest[p % R2][p // R2] for p in range(per_rank * R2)]
+    assert sorted(seen + flat[:n - len(seen)]) == list(range(n))
+    # the batches are the same blocks of the order as without stopping
+    whole = loaders(n, 1, R * B, 0)[0]
+    assert [sorted(b.tolist()) for b in whole][stop] == \
+        sorted(rest[0][:B2] + rest[1][:B2])
+
+
+def test_len_and_shard_contract_match_shard_sampler():
+    for n in (0, 7, 100):
+        for R in (1, 3, 8):
+            for drop_last in (False, True):
+                ours = PermutationShardSampler(n, R, R - 1, drop_last=drop_last)
+                theirs = ShardSampler(range(n), R, R - 1, drop_last=drop_last)
+                assert len(ours) == len(theirs) == len(list(ours))
+
+
+def test_bad_input_is_refused_clearly():
+    with pytest.raises(ValueError, match="n"):
+        PermutationShardSampler(-1, 1, 0)
+    with pytest.raises(TypeError, match="n"):
+        PermutationShardSampler(2.5, 1, 0)
+    with pytest.raises(ValueError, match="rank"):
+        PermutationShardSampler(10, 2, 2)
+    with pytest.raises(ValueError, match="batch_size"):
+        PermutationShardSampler(10, 2, 0, batch_size=0)
+    s = PermutationShardSampler(10, 2, 0, batch_size=2)
+    with pytest.raises(ValueError, match="same data set"):
+        s.load_state_dict(PermutationShardSampler(11, 1, 0).state_dict())
+    with pytest.raises(ValueError, match="global batch"):
+        s.load_state_dict(PermutationShardSampler(10, 1, 0, batch_size=2).state_dict())
+    with pytest.raises(ValueError, match="lacks"):
+        s.load_state_dict({"n": 10})
+    with pytest.raises(TypeError, match="dict"):
+        s.load_state_dict([1])
+    with pytest.raises(ValueError, match="received"):
+        s.state_dict(received=-1)
+    with pytest.raises(ValueError, match=r"\[0, n\)"):
+        permute([10], 10, round_keys(0, 0))
+    with pytest.raises(TypeError, match="PermutationShardSampler"):
+        CountingLoader(DataLoader(range(4)))
+    assert len(PermutationShardSampler(range(10), 3, 0)) == 4  # a Sized data set
