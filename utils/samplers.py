@@ -513,12 +513,22 @@ def feistel_bits(n: int) -> int:
     return bits + bits % 2
 
 
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser on a Python int: a bijection of 64-bit values."""
+    x &= 0xFFFFFFFFFFFFFFFF
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
 def round_keys(seed: int, epoch: int, rounds: int = _ROUNDS) -> np.ndarray:
-    """The round keys of ``(seed, epoch)``: ``rounds`` uint64 values from NumPy's
-    ``SeedSequence``, the same on every rank and every machine."""
+    """The round keys of ``(seed, epoch)``: ``rounds`` uint64 values mixed from both
+    with splitmix64, the same on every rank and every machine (plain Python ints:
+    microseconds, so the first index comes at once)."""
     seed, epoch = check_seed_and_epoch(seed, epoch)
-    return np.random.SeedSequence([seed, epoch]).generate_state(rounds,
-                                                                dtype=np.uint64)
+    state = _mix64(_mix64(seed) ^ _mix64(epoch + 0x9E3779B97F4A7C15))
+    return np.array([_mix64(state + (i + 1) * 0x9E3779B97F4A7C15)
+                     for i in range(rounds)], dtype=np.uint64)
 
 
 def _feistel(x: np.ndarray, bits: int, keys: np.ndarray) -> np.ndarray:
