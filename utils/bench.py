@@ -22,7 +22,8 @@ from torch.utils.data import DistributedSampler
 
 from .samplers import ShardSampler
 
-__all__ = ["bench_sampler", "bench_ddp", "bench_restart", "environment"]
+__all__ = ["bench_sampler", "bench_samplers", "bench_ddp", "bench_restart",
+           "environment"]
 
 
 def environment() -> dict:
@@ -76,6 +77,73 @@ def bench_sampler(n: int = 10**7, num_replicas: int = 8, repeats: int = 5,
         "speedup_ours_vs_torch": round(
             best["DistributedSampler"] / best["ShardSampler"], 2),
     }
+
+
+def _sampler_case(kind: str, n: int, num_replicas: int) -> dict:
+    """One rank's epoch of ``kind`` ("torch" or "ours") at ``n``, in this process:
+    time to the first index, time for the whole epoch, peak memory added."""
+    import resource
+
+    from torch.utils.data import DistributedSampler
+
+    from .samplers import PermutationShardSampler
+
+    def peak_bytes() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+    before = peak_bytes()
+    start = time.perf_counter()
+    if kind == "torch":
+        sampler = DistributedSampler(range(n), num_replicas=num_replicas, rank=0)
+    else:
+        sampler = PermutationShardSampler(n, num_replicas, 0)
+    it = iter(sampler)
+    next(it)
+    first = time.perf_counter() - start
+    for _ in it:
+        pass
+    epoch = time.perf_counter() - start
+    count = len(sampler)
+    return {"first_index_s": first, "epoch_s": epoch, "indices": count,
+            "indices_per_s": count / epoch, "peak_added_mb": (peak_bytes() - before) / 1e6}
+
+
+def bench_samplers(sizes=(10**6, 10**7, 10**8, 10**9), num_replicas: int = 8,
+                   torch_max: int = 10**8) -> dict:
+    """``DistributedSampler`` against ``PermutationShardSampler``: for each ``n``, one
+    rank's epoch in a fresh process per case (so peak memory is the case's own)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cases = {}
+    for n in sizes:
+        for kind in ("torch", "ours"):
+            if kind == "torch" and n > torch_max:
+                continue
+            code = (f"import json; from utils.bench import _sampler_case; "
+                    f"print(json.dumps(_sampler_case({kind!r}, {n}, {num_replicas})))")
+            out = subprocess.run([sys.executable, "-c", code], cwd=root, check=True,
+                                 capture_output=True, text=True).stdout
+            cases[f"{kind} {n}"] = dict(json.loads(out.splitlines()[-1]), kind=kind,
+                                        n=n)
+            c = cases[f"{kind} {n}"]
+            print(f"{kind:>5} n={n:>10}: first index {1000 * c['first_index_s']:9.3f} "
+                  f"ms, epoch {c['epoch_s']:7.2f} s "
+                  f"({c['indices_per_s'] / 1e6:5.1f} M/s), "
+                  f"peak +{c['peak_added_mb']:7.1f} MB", flush=True)
+    ratios = {n: cases[f"torch {n}"]["first_index_s"] / cases[f"ours {n}"][
+        "first_index_s"] for n in sizes if f"torch {n}" in cases}
+    return {"num_replicas": num_replicas, "rank": 0, "cases": list(cases.values()),
+            "first_index_ratio_torch_over_ours": {str(n): r for n, r in ratios.items()},
+            "torch_skipped": {str(n): (
+                f"torch.randperm(n).tolist() needs about {n * 50 / 1e9:.0f} GB "
+                f"(a list of n Python ints, ~28 B each plus an 8 B pointer, plus "
+                f"the int64 tensor): more than this machine's memory")
+                for n in sizes if n > torch_max},
+            "method": "one run; each case in a fresh Python process; first index: "
+                      "sampler built, iter(), next(); epoch: the whole rank's epoch "
+                      "with plain `for i in sampler`; peak added: ru_maxrss after "
+                      "minus before, in that process"}
 
 
 def _ddp_wrappers(make_model, bucket_cap_mb: float) -> dict:
@@ -271,7 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     # the docstring's first paragraph (argparse re-flows it onto one line)
     parser = argparse.ArgumentParser(prog="python -m utils.bench",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["sampler", "ddp", "restart", "loader"],
+    parser.add_argument("what",
+                        choices=["sampler", "samplers", "ddp", "restart", "loader"],
                         help="which benchmark to run (loader: its own options, see "
                              "python -m utils.bench loader --help)")
     parser.add_argument("--n", type=int, default=10**7,
@@ -294,6 +363,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name:>20}: {t:.3f} s")
         print("ratio DistributedSampler / ShardSampler = "
               f"{result['speedup_ours_vs_torch']:.2f} (>= 1.0 means ours is no slower)")
+    elif args.what == "samplers":
+        result = bench_samplers(num_replicas=args.num_replicas)
     elif args.what == "restart":
         result = bench_restart(args.repeats)
         for mode, c in result["results"].items():
