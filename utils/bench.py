@@ -105,7 +105,8 @@ def _sampler_case(kind: str, n: int, num_replicas: int) -> dict:
     epoch = time.perf_counter() - start
     count = len(sampler)
     return {"first_index_s": first, "epoch_s": epoch, "indices": count,
-            "indices_per_s": count / epoch, "peak_added_mb": (peak_bytes() - before) / 1e6}
+            "indices_per_s": count / epoch,
+            "peak_added_mb": (peak_bytes() - before) / 1e6}
 
 
 def bench_samplers(sizes=(10**6, 10**7, 10**8, 10**9), num_replicas: int = 8,
