@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(BIN)/python -m utils.bench ddp --repeats 9 --out book/results/ddp_step_cpu.json
 	$(BIN)/python -m utils.bench restart --repeats 10 --out book/results/torchrun_restart_cpu.json
 	$(BIN)/python -m utils.bench loader --out book/results/loader_bench_cpu.json
+	$(BIN)/python -m utils.bench samplers --out book/results/permutation_sampler_bench_cpu.json
 
 clean:
 	rm -rf _build

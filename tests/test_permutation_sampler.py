@@ -257,3 +257,15 @@ def test_bad_input_is_refused_clearly():
     with pytest.raises(TypeError, match="PermutationShardSampler"):
         CountingLoader(DataLoader(range(4)))
     assert len(PermutationShardSampler(range(10), 3, 0)) == 4  # a Sized data set
+
+
+def test_bench_samplers_measures_both_in_fresh_processes():
+    from utils.bench import bench_samplers
+
+    result = bench_samplers(sizes=(2000,), num_replicas=4)
+    assert [(c["kind"], c["n"]) for c in result["cases"]] == [("torch", 2000),
+                                                              ("ours", 2000)]
+    assert all(c["indices"] == 500 and c["peak_added_mb"] >= 0
+               for c in result["cases"])
+    assert result["first_index_ratio_torch_over_ours"]["2000"] > 0
+    assert result["torch_skipped"] == {}
