@@ -16,7 +16,7 @@ $(STAMP): requirements.txt pyproject.toml
 
 ## make book: build the HTML book into _build/html from the stored, nbval-verified outputs
 book: $(STAMP)
-	$(BIN)/jupyter-book build . --path-output . -W -n --keep-going
+	$(BIN)/jupyter-book build . --all --path-output . -W -n --keep-going
 
 ## make test: the utils tests, then every notebook re-executed and compared strictly by nbval,
 ## then again, with `spawn` forced (as on macOS and Windows), the chapters that start workers
