@@ -196,6 +196,9 @@ def test_environment_set_after_the_first_call_reaches_the_ranks(monkeypatch):
 def test_every_ranks_output_is_shown_when_one_fails(capsys):
     def print_then_fail():
         print("rank", dist.get_rank(), "was here")
+        # every rank has printed before rank 1 fails (on a loaded machine rank 0 could
+        # otherwise still be starting when rank 1 fails, and have nothing to show)
+        dist.barrier()
         if dist.get_rank() == 1:
             raise RuntimeError("boom")
         dist.barrier()
