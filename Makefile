@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
 .PHONY: book test test-utils test-notebooks test-notebooks-spawn test-browser \
-        gpu-check bench clean
+        check-browser gpu-check bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,21 +18,43 @@ $(STAMP): requirements.txt pyproject.toml
 book: $(STAMP)
 	$(BIN)/jupyter-book build . --all --path-output . -W -n --keep-going
 
-## make test: the utils tests, then every notebook re-executed and compared strictly by nbval,
-## then again, with `spawn` forced (as on macOS and Windows), the chapters that start workers
-## and last the built book, page by page, in a real browser (make test-browser)
-test: test-utils test-notebooks test-notebooks-spawn test-browser
+## make test: first a browser for the last step is found (or installed), then the utils tests,
+## every notebook re-executed and compared strictly by nbval, again with `spawn` forced (as on
+## macOS and Windows) the chapters that start workers, and last the built book, page by page,
+## in a real browser (make test-browser)
+test: check-browser test-utils test-notebooks test-notebooks-spawn test-browser
+
+# Playwright alone, so that a machine without a browser hears so in seconds, before the
+# full set-up; $(STAMP) installs the rest into the same .venv
+PLAYWRIGHT := $(VENV)/.playwright
+$(PLAYWRIGHT):
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet "$$(grep '^playwright' requirements.txt)"
+	touch $(PLAYWRIGHT)
+
+## make check-browser: BOOK_CHROMIUM, else Chromium/Chrome on PATH or in the usual macOS and
+## Windows places, else Playwright's own; none: `playwright install chromium` is tried, and
+## if that fails it stops, saying what to install (tests/browser/find_browser.py)
+check-browser: $(PLAYWRIGHT)
+	$(BIN)/python tests/browser/find_browser.py --install
+
+# pytest-xdist: JOBS test processes side by side (make test JOBS=1 runs one at a time). The
+# utils tests that start several ranks at once run one after the other (tests/conftest.py);
+# each notebook runs whole in one process, in its own kernel (--dist loadfile).
+JOBS ?= 2
+PARALLEL := -n $(JOBS)
 
 test-utils: $(STAMP)
-	$(BIN)/python -m pytest tests -q --ignore=tests/browser
+	$(BIN)/python -m pytest tests -q --ignore=tests/browser $(PARALLEL) --dist loadgroup
 
-## make test-browser: build the book, then check every page of it in headless Chromium
-## (/usr/bin/chromium, which .ci/run installs): tests/browser/book_check.py, which also
-## runs alone; screenshots of the pages go to _build/screenshots/
-test-browser: book
-	$(BIN)/python -m pytest tests/browser -q -rP
+## make test-browser: build the book, then check every page of it in headless Chromium (the
+## one check-browser finds): tests/browser/book_check.py, which also runs alone;
+## screenshots of the pages go to _build/screenshots/
+test-browser: check-browser book
+	$(BIN)/python -m pytest tests/browser -q -rP $(PARALLEL)
 
-NBVAL := -m pytest --nbval --nbval-current-env --nbval-sanitize-with sanitize.cfg -q -p no:cacheprovider
+NBVAL := -m pytest --nbval --nbval-current-env --nbval-sanitize-with sanitize.cfg -q \
+         -p no:cacheprovider $(PARALLEL) --dist loadfile
 
 test-notebooks: $(STAMP)
 	$(BIN)/python $(NBVAL) notebooks

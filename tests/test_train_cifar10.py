@@ -167,9 +167,8 @@ def test_resuming_with_another_schedule_is_refused_with_the_differences(data, st
                "--global-batch": ("32", "--global-batch 32 (checkpoint: 64)"),
                "--momentum": ("0.8", "--momentum 0.8 (checkpoint: 0.9)")}
     for flag, (value, message) in changes.items():  # one change at a time: each is named
-        done = single("--data", data, "--out", out, "--resume", *COMMON, flag, value)
-        assert done.returncode != 0 and "Traceback" not in done.stderr
-        assert "cannot resume" in done.stderr and message in done.stderr, done.stderr[-500:]
+        said = refusal("--data", data, "--out", out, "--resume", *COMMON, flag, value)
+        assert "cannot resume" in said and message in said, said[-500:]
     assert snapshot(out) == snapshot(stopped_on_two)  # nothing written, nothing lost
 
 
@@ -202,15 +201,20 @@ def test_an_interrupted_checkpoint_write_leaves_the_previous_one_loadable(tmp_pa
 ])
 def test_bad_input_stops_early_with_a_message(data, tmp_path, args, message):
     base = ["--data", data, "--out", str(tmp_path), "--no-progress", "--device", "cpu"]
-    done = single(*(base + args), timeout=120)
-    assert done.returncode != 0 and "Traceback" not in done.stderr
-    assert message in done.stderr
+    assert message in refusal(*(base + args))
+
+
+def test_a_refusal_is_a_message_on_stderr_and_a_nonzero_exit_without_a_traceback(tmp_path):
+    """The command line itself, once: what the in-process refusals above stand for."""
+    done = single("--data", "/nonexistent/cifar", "--out", str(tmp_path), "--device", "cpu", timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "error: no CIFAR-10 in '/nonexistent/cifar'; pass --download" in done.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_asking_for_cuda_without_it_says_so(data, tmp_path):
-    done = single("--data", data, "--out", str(tmp_path), "--device", "cuda", timeout=120)
-    assert done.returncode != 0 and "--device cuda, but torch.cuda.is_available() is False" in done.stderr
+    said = refusal("--data", data, "--out", str(tmp_path), "--device", "cuda")
+    assert "--device cuda, but torch.cuda.is_available() is False" in said
 
 
 @pytest.mark.parametrize("content, message", [
@@ -223,8 +227,7 @@ def test_unreadable_or_foreign_checkpoints_are_refused(data, tmp_path, content, 
         torch.save({"state_dict": {"w": torch.ones(1)}}, path)  # someone else's checkpoint
     else:
         path.write_bytes(content)
-    done = single("--data", data, "--out", str(tmp_path), "--resume", "--no-progress", "--device", "cpu", timeout=120)
-    assert done.returncode != 0 and message in done.stderr
+    assert message in refusal("--data", data, "--out", str(tmp_path), "--resume", "--no-progress", "--device", "cpu")
 
 
 def test_more_processes_than_gpus_is_refused():
@@ -364,6 +367,20 @@ def in_process(*argv):
         except SystemExit as stop:
             return out.getvalue(), str(stop.code)
     return out.getvalue(), None
+
+
+def refusal(*argv):
+    """main(argv) in this process must stop with a message: a SystemExit, not a traceback (any
+    other exception fails the test) and not a normal return. Its message and what it wrote to
+    stderr (argparse's errors): what a user would read, without starting an interpreter (2-4 s)."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        _, error = in_process(*argv)
+    assert error not in (None, "0"), "main ran instead of refusing"
+    return err.getvalue() + error
 
 
 def metrics_lines(out):

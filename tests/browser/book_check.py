@@ -35,13 +35,9 @@ import urllib.parse
 
 import yaml
 
+import find_browser
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-CHROMIUM = pathlib.Path(os.environ.get("BOOK_CHROMIUM", "/usr/bin/chromium"))
-# headless Chromium on a machine with no outside network and no GPU: without the
-# background-networking flags it keeps trying to reach Google's hosts
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                 "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
 SCREEN_WIDTHS = (1280, 390)  # a laptop and a phone; screenshots are taken at the first
 SCREEN_HEIGHT = 900
 # print layout: A4 portrait is 794 px wide at 96 dpi, less Chromium's 0.4 in margins
@@ -290,16 +286,14 @@ def serve(html_root: pathlib.Path):
 
 @contextlib.contextmanager
 def browser_context():
-    """Debian's Chromium, headless, with a fresh user-data-dir."""
+    """The browser find_browser.find() names, headless, with a fresh user-data-dir."""
     from playwright.sync_api import sync_playwright
 
-    if not CHROMIUM.exists():
-        raise FileNotFoundError(
-            f"{CHROMIUM} not found: install Debian's chromium (apt-get install "
-            "chromium), as .ci/run does, or set BOOK_CHROMIUM to a Chromium binary")
+    executable = find_browser.find()  # NoBrowser says what to install
     with sync_playwright() as pw, tempfile.TemporaryDirectory() as profile:
         context = pw.chromium.launch_persistent_context(
-            profile, executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True,
+            profile, executable_path=str(executable), args=find_browser.ARGS,
+            headless=True,
             viewport={"width": SCREEN_WIDTHS[0], "height": SCREEN_HEIGHT})
         try:
             yield context
