@@ -6,23 +6,42 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
 .PHONY: book test test-utils test-notebooks test-notebooks-spawn test-browser \
-        check-browser gpu-check bench clean
+        test-lane-fork test-lane-spawn check-browser gpu-check bench clean
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt constraints.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet -c constraints.txt -r requirements.txt
 	touch $(STAMP)
 
 ## make book: build the HTML book into _build/html from the stored, nbval-verified outputs
 book: $(STAMP)
-	$(BIN)/jupyter-book build . --all --path-output . -W -n --keep-going
+	$(BOOK)
 
-## make test: first a browser for the last step is found (or installed), then the utils tests,
-## every notebook re-executed and compared strictly by nbval, again with `spawn` forced (as on
-## macOS and Windows) the chapters that start workers, and last the built book, page by page,
-## in a real browser (make test-browser)
-test: check-browser test-utils test-notebooks test-notebooks-spawn test-browser
+BOOK := $(BIN)/jupyter-book build . --all --path-output . -W -n --keep-going
+
+## make test: first a browser for the last step is found (or installed); then two lanes side by
+## side, each running one test at a time: (1) the utils tests, then every notebook re-executed
+## and compared strictly by nbval; (2) the chapters that start worker processes again, with
+## `spawn` forced as on macOS and Windows, then the book built; last the built book, page by
+## page, in a real browser. Each lane's report is printed when it ends. LANES=1: one lane after
+## the other.
+LANES ?= 2
+# GNU make 4 prints each lane's output in one piece (macOS's make 3.81 mixes them)
+SYNC := $(if $(filter 3.%,$(MAKE_VERSION)),,--output-sync=target)
+
+test: check-browser $(STAMP)
+	@echo "make test: two lanes of tests, $(LANES) at a time; each prints its report when it ends"
+	$(MAKE) --no-print-directory -j$(LANES) $(SYNC) JOBS=1 test-lane-fork test-lane-spawn
+	$(BROWSER_TESTS)
+
+test-lane-fork: $(STAMP)
+	$(UTILS_TESTS)
+	$(NOTEBOOK_TESTS)
+
+test-lane-spawn: $(STAMP)
+	$(SPAWN_TESTS)
+	$(BOOK)
 
 # Playwright alone, so that a machine without a browser hears so in seconds, before the
 # full set-up; $(STAMP) installs the rest into the same .venv
@@ -38,26 +57,29 @@ $(PLAYWRIGHT):
 check-browser: $(PLAYWRIGHT)
 	$(BIN)/python tests/browser/find_browser.py --install
 
-# pytest-xdist: JOBS test processes side by side (make test JOBS=1 runs one at a time). The
-# utils tests that start several ranks at once run one after the other (tests/conftest.py);
-# each notebook runs whole in one process, in its own kernel (--dist loadfile).
+# The targets below run alone with JOBS pytest-xdist processes side by side (JOBS=1: one at a
+# time, as in make test's lanes). The utils tests that start several ranks at once run one after
+# the other (tests/conftest.py); each notebook runs whole in one process, in its own kernel.
 JOBS ?= 2
-PARALLEL := -n $(JOBS)
+xdist = $(if $(filter-out 0 1,$(JOBS)),-n $(JOBS) --dist $(1))
 
+UTILS_TESTS = $(BIN)/python -m pytest tests -q --ignore=tests/browser $(call xdist,loadgroup)
 test-utils: $(STAMP)
-	$(BIN)/python -m pytest tests -q --ignore=tests/browser $(PARALLEL) --dist loadgroup
+	$(UTILS_TESTS)
 
 ## make test-browser: build the book, then check every page of it in headless Chromium (the
 ## one check-browser finds): tests/browser/book_check.py, which also runs alone;
 ## screenshots of the pages go to _build/screenshots/
+BROWSER_TESTS = $(BIN)/python -m pytest tests/browser -q -rP $(call xdist,load)
 test-browser: check-browser book
-	$(BIN)/python -m pytest tests/browser -q -rP $(PARALLEL)
+	$(BROWSER_TESTS)
 
-NBVAL := -m pytest --nbval --nbval-current-env --nbval-sanitize-with sanitize.cfg -q \
-         -p no:cacheprovider $(PARALLEL) --dist loadfile
+NBVAL = -m pytest --nbval --nbval-current-env --nbval-sanitize-with sanitize.cfg -q \
+        -p no:cacheprovider $(call xdist,loadfile)
 
+NOTEBOOK_TESTS = $(BIN)/python $(NBVAL) notebooks
 test-notebooks: $(STAMP)
-	$(BIN)/python $(NBVAL) notebooks
+	$(NOTEBOOK_TESTS)
 
 # tests/start_method/sitecustomize.py sets the start method in every Python process started with
 # it on PYTHONPATH: the kernel, its DataLoader workers, the ranks' workers, torchrun's workers.
@@ -66,9 +88,10 @@ test-notebooks: $(STAMP)
 # passes), and tests/test_notebooks.py fails if a chapter that starts workers is missing here.
 SPAWN_NOTEBOOKS := 01_samplers 03_set_epoch 05_workers_seeding 06_iterable_datasets 09_ddp_from_scratch 10_cifar10_ddp 11_loader_throughput 12_permutation_sampler appendix_common_mistakes
 
+SPAWN_TESTS = PYTHONPATH=$(CURDIR)/tests/start_method BOOK_START_METHOD=spawn \
+  $(BIN)/python $(NBVAL) $(SPAWN_NOTEBOOKS:%=notebooks/%.ipynb) tests/test_start_method.py
 test-notebooks-spawn: $(STAMP)
-	PYTHONPATH=$(CURDIR)/tests/start_method BOOK_START_METHOD=spawn \
-	  $(BIN)/python $(NBVAL) $(SPAWN_NOTEBOOKS:%=notebooks/%.ipynb) tests/test_start_method.py
+	$(SPAWN_TESTS)
 
 ## make gpu-check: on a CUDA machine, the nccl paths on all local GPUs, the training script under
 ## torchrun with a rank killed and restarted, then `make test`; writes book/results/gpu_check_<gpu>.json
