@@ -1,0 +1,107 @@
+"""examples/train_ddp.py, chapter 10's whole script: it runs under torchrun on 2 CPU
+ranks and alone, 2 ranks equal 1 process, and where its features overlap with
+utils.train_cifar10 (no augmentation) the two give the same weights.
+
+Where they differ, and why: train_ddp.py augments with torchvision's RandomCrop and
+RandomHorizontalFlip, drawn from each worker's RNG, so its augmentations depend on the
+number of processes and workers; utils.train_cifar10 draws them from (seed, epoch,
+index) (KeyedAugment), so a run resumed on another number of processes sees the same
+images. The rest of utils.train_cifar10 (checkpoints and resume, restarts, per-node
+data, the GPU loader) has no counterpart in the short script.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from test_train_cifar10 import in_process, max_diff, relative_distance
+from utils.data import write_synthetic_cifar10
+
+SCRIPT = str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+SETTINGS = ["--epochs", "2", "--global-batch", "64", "--seed", "0"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("cifar"))
+    write_synthetic_cifar10(root, n_train=512, n_test=256, seed=0)
+    return root
+
+
+def train_ddp(*args, nproc=0):
+    """The script alone (nproc=0) or under torchrun on nproc CPU ranks."""
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}"] if nproc else [sys.executable])
+    done = subprocess.run([*launch, SCRIPT, "--device", "cpu", *args], env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def weights(out):
+    return torch.load(os.path.join(out, "model_final.pt"), weights_only=True)
+
+
+def test_the_script_is_short_enough_to_show_whole():
+    lines = pathlib.Path(SCRIPT).read_text().splitlines()
+    assert len(lines) <= 150 and max(map(len, lines)) <= 88
+
+
+def test_on_two_cpu_ranks_with_augmentation(data, tmp_path):
+    stdout = train_ddp("--data", data, "--out", str(tmp_path), "--workers", "1",
+                       *SETTINGS, nproc=2)
+    epochs = [line for line in stdout.splitlines() if line.startswith("epoch ")]
+    assert len(epochs) == 2 and all("(256 images)" in line for line in epochs)
+    assert set(weights(str(tmp_path))) == {"conv1.weight", "conv1.bias", "conv2.weight",
+                                          "conv2.bias", "fc1.weight", "fc1.bias",
+                                          "fc2.weight", "fc2.bias"}
+
+
+@pytest.fixture(scope="module")
+def one_process(data, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("one_process"))
+    train_ddp("--data", data, "--out", out, "--workers", "0", "--no-augment", *SETTINGS)
+    return out
+
+
+def test_two_ranks_equal_one_process(data, one_process, tmp_path):
+    train_ddp("--data", data, "--out", str(tmp_path), "--workers", "1", "--no-augment",
+              *SETTINGS, nproc=2)
+    # the same global batches, 32 images per forward pass instead of 64: equal up to
+    # rounding (tests/test_train_cifar10.py measures it), far from a run on other data
+    assert relative_distance(weights(one_process), weights(str(tmp_path))) < 1e-2
+
+
+def test_equal_to_utils_train_cifar10_without_augmentation(data, one_process, tmp_path,
+                                                           monkeypatch):
+    import utils.train_cifar10 as full
+
+    class NotAugmented(full.KeyedAugment):  # train=False: no crop, no flip
+        def __init__(self, base, seed, train):
+            super().__init__(base, seed, train=False)
+
+    monkeypatch.setattr(full, "KeyedAugment", NotAugmented)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the script's OMP_NUM_THREADS=1: the same sums
+    try:
+        _, error = in_process("--data", data, "--out", str(tmp_path), "--workers", "0",
+                              "--loader", "workers", "--device", "cpu", "--no-progress",
+                              *SETTINGS)
+    finally:
+        torch.set_num_threads(threads)
+    assert error is None, error
+    # the same initial weights, order of samples, normalisation, optimizer and schedule:
+    # bit for bit
+    assert max_diff(weights(one_process), weights(str(tmp_path))) == 0.0
+
+
+def test_missing_data_is_a_message_not_a_traceback(tmp_path):
+    done = subprocess.run([sys.executable, SCRIPT, "--data", str(tmp_path)], env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"no CIFAR-10 in --data {tmp_path}: add --download"
