@@ -1,6 +1,5 @@
 """CIFAR-10 with DistributedDataParallel in one file (torch and torchvision only):
 
-    python examples/train_ddp.py --download                       # one process
     torchrun --standalone --nproc_per_node=8 examples/train_ddp.py --download
     torchrun --standalone --nproc_per_node=2 examples/train_ddp.py --device cpu
 
@@ -18,50 +17,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision import datasets, transforms
 
-p = argparse.ArgumentParser()
-p.add_argument("--data", default="data")  # holds cifar-10-batches-py
-p.add_argument("--download", action="store_true")
-p.add_argument("--epochs", type=int, default=10)
-p.add_argument("--global-batch", type=int, default=256)  # over all processes
-p.add_argument("--lr", type=float, default=0.05)
-p.add_argument("--workers", type=int, default=2)  # DataLoader workers per process
-p.add_argument("--seed", type=int, default=0)
-p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-p.add_argument("--no-augment", action="store_true")  # to compare runs exactly
-p.add_argument("--out", default="runs/train_ddp")
-args = p.parse_args()
-
-# --- processes: one per GPU (or CPU share), started by torchrun -----------------------
-ddp = "RANK" in os.environ
-rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-local_rank = int(os.environ.get("LOCAL_RANK", 0))
-cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-if cuda:
-    torch.cuda.set_device(device)  # before anything else touches the GPU
-if args.global_batch % world_size:
-    raise SystemExit(f"--global-batch must be divisible by {world_size} processes")
-if ddp:
-    dist.init_process_group("nccl" if cuda else "gloo")
-master = rank == 0  # logs and saves
-batch_size = args.global_batch // world_size
-
-# --- data: downloaded once per node, then every process reads it ----------------------
-normalize = [transforms.ToTensor(),
-             transforms.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))]
-augment = [] if args.no_augment else [transforms.RandomCrop(32, padding=4),
-                                      transforms.RandomHorizontalFlip()]
-if local_rank == 0 and args.download:
-    datasets.CIFAR10(args.data, train=True, download=True)
-    datasets.CIFAR10(args.data, train=False, download=True)
-if ddp:
-    dist.barrier()  # the other processes wait for the download
-if not os.path.isdir(os.path.join(args.data, "cifar-10-batches-py")):
-    raise SystemExit(f"no CIFAR-10 in --data {args.data}: add --download")
 
 class CIFAR10(datasets.CIFAR10):
-    """torchvision's, which checks the files' MD5s: for the book's generated stand-in
-    (no network needed), the MD5s written with it."""
+    """torchvision's; for the book's generated stand-in, the MD5s written with it."""
     def __init__(self, root, **kwargs):
         marker = os.path.join(root, self.base_folder, "SYNTHETIC_DATA.json")
         if os.path.exists(marker):
@@ -71,21 +29,7 @@ class CIFAR10(datasets.CIFAR10):
             self.meta = {**self.meta, "md5": md5[self.meta["filename"]]}
         super().__init__(root, **kwargs)
 
-train_set = CIFAR10(args.data, train=True,
-                    transform=transforms.Compose(augment + normalize))
-test_set = CIFAR10(args.data, train=False, transform=transforms.Compose(normalize))
-# each process takes every world_size-th sample of a permutation drawn from seed + epoch
-sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
-                             shuffle=True, seed=args.seed)
-train_loader = DataLoader(
-    train_set, batch_size=batch_size, sampler=sampler, drop_last=True,
-    num_workers=args.workers, persistent_workers=args.workers > 0, pin_memory=cuda,
-    # a different base seed for the workers of each rank: other augmentations
-    generator=torch.Generator().manual_seed(args.seed * 1000 + rank))
-test_shard = Subset(test_set, range(rank, len(test_set), world_size))  # no copies
-test_loader = DataLoader(test_shard, batch_size=512, num_workers=args.workers)
 
-# --- model: the same initial weights on every process ---------------------------------
 class SimpleCNN(nn.Module):
     def __init__(self, num_classes=10):
         super().__init__()
@@ -99,51 +43,108 @@ class SimpleCNN(nn.Module):
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         return self.fc2(F.relu(self.fc1(torch.flatten(x, 1))))
 
-torch.manual_seed(args.seed)
-model = SimpleCNN().to(device)
-if ddp:  # broadcasts rank 0's weights, then averages gradients in backward
-    model = DDP(model, device_ids=[local_rank] if cuda else None)
-optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
-                            weight_decay=5e-4, nesterov=True)
-steps_per_epoch = len(train_loader)  # the same on every rank
-scheduler = torch.optim.lr_scheduler.OneCycleLR(
-    optimizer, max_lr=args.lr, total_steps=args.epochs * steps_per_epoch,
-    pct_start=0.25, cycle_momentum=False)
 
-# --- training -------------------------------------------------------------------------
-for epoch in range(args.epochs):
-    sampler.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
-    model.train()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for x, y in train_loader:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        loss = F.cross_entropy(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # DDP: gradients averaged over processes here
-        optimizer.step()
-        scheduler.step()
-        loss_sum += loss.detach()  # read once per epoch: no wait for the GPU per step
-    model.eval()
-    correct = count = 0
-    with torch.no_grad():
-        for x, y in test_loader:
-            correct += int((model(x.to(device)).argmax(1) == y.to(device)).sum())
-            count += len(y)
-    totals = torch.tensor([loss_sum.item(), correct, count], dtype=torch.float64,
-                          device=device)
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--data", default="data")  # holds cifar-10-batches-py
+    p.add_argument("--download", action="store_true")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--global-batch", type=int, default=256)  # over all processes
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--workers", type=int, default=2)  # DataLoader workers per process
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--no-augment", action="store_true")  # to compare runs exactly
+    p.add_argument("--out", default="runs/train_ddp")
+    args = p.parse_args()
+
+    # --- processes: one per GPU (or CPU share), started by torchrun -------------------
+    ddp = "RANK" in os.environ
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if args.global_batch % world:
+        raise SystemExit(f"--global-batch must be divisible by {world} processes")
+    if cuda:
+        torch.cuda.set_device(device)  # before anything else touches the GPU
     if ddp:
-        dist.all_reduce(totals)  # summed over all processes, in one all-reduce
-    loss_total, correct, count = totals.tolist()
-    if master:
-        print(f"epoch {epoch + 1}/{args.epochs}: train loss "
-              f"{loss_total / (steps_per_epoch * world_size):.4f}, "
-              f"test accuracy {correct / count:.4f} ({int(count)} images)", flush=True)
+        dist.init_process_group("nccl" if cuda else "gloo")
 
-if master:  # one file, written whole or not at all
-    os.makedirs(args.out, exist_ok=True)
-    weights = (model.module if ddp else model).state_dict()
-    path = os.path.join(args.out, "model_final.pt")
-    torch.save({k: v.cpu() for k, v in weights.items()}, path + ".tmp")
-    os.replace(path + ".tmp", path)
-if ddp:
-    dist.destroy_process_group()
+    # --- data: downloaded once per node, then every process reads it ------------------
+    normalize = [transforms.ToTensor(), transforms.Normalize(
+        (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))]
+    augment = [] if args.no_augment else [transforms.RandomCrop(32, padding=4),
+                                          transforms.RandomHorizontalFlip()]
+    if local_rank == 0 and args.download:
+        datasets.CIFAR10(args.data, download=True)  # the archive holds both halves
+    if ddp:
+        dist.barrier()  # the other processes wait for the download
+    if not os.path.isdir(os.path.join(args.data, "cifar-10-batches-py")):
+        raise SystemExit(f"no CIFAR-10 in --data {args.data}: add --download")
+    train_set = CIFAR10(args.data, train=True,
+                        transform=transforms.Compose(augment + normalize))
+    test_set = CIFAR10(args.data, train=False, transform=transforms.Compose(normalize))
+    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True,
+                                 seed=args.seed)  # every world-th of a permutation
+    train_loader = DataLoader(
+        train_set, batch_size=args.global_batch // world, sampler=sampler,
+        drop_last=True, num_workers=args.workers, persistent_workers=args.workers > 0,
+        pin_memory=cuda,  # and a different base seed for each rank's workers:
+        generator=torch.Generator().manual_seed(args.seed * 1000 + rank))
+    test_shard = Subset(test_set, range(rank, len(test_set), world))  # no copies
+    test_loader = DataLoader(test_shard, batch_size=512, num_workers=args.workers)
+
+    # --- model: the same initial weights on every process -----------------------------
+    torch.manual_seed(args.seed)
+    model = SimpleCNN().to(device)
+    if ddp:  # broadcasts rank 0's weights, then averages gradients in backward
+        model = DDP(model, device_ids=[local_rank] if cuda else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
+                                weight_decay=5e-4, nesterov=True)
+    steps = len(train_loader)  # per epoch, the same on every rank
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=args.lr, total_steps=args.epochs * steps, pct_start=0.25,
+        cycle_momentum=False)
+
+    # --- training ---------------------------------------------------------------------
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
+        model.train()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for x, y in train_loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP: gradients averaged over processes here
+            optimizer.step()
+            scheduler.step()
+            loss_sum += loss.detach()  # read once per epoch, not every step
+        model.eval()
+        correct = count = 0
+        with torch.no_grad():
+            for x, y in test_loader:
+                correct += int((model(x.to(device)).argmax(1) == y.to(device)).sum())
+                count += len(y)
+        totals = torch.tensor([loss_sum.item(), correct, count], dtype=torch.float64,
+                              device=device)
+        if ddp:
+            dist.all_reduce(totals)  # summed over all processes, in one all-reduce
+        loss_total, correct, count = totals.tolist()
+        if rank == 0:  # one process logs and saves
+            print(f"epoch {epoch + 1}/{args.epochs}: train loss "
+                  f"{loss_total / (steps * world):.4f}, test accuracy "
+                  f"{correct / count:.4f} ({int(count)} images)", flush=True)
+
+    if rank == 0:  # one file, written whole or not at all
+        os.makedirs(args.out, exist_ok=True)
+        weights = (model.module if ddp else model).state_dict()
+        path = os.path.join(args.out, "model_final.pt")
+        torch.save({k: v.cpu() for k, v in weights.items()}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    if ddp:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # spawned workers (macOS, Windows) import this file
+    main()
