@@ -3,8 +3,7 @@
     torchrun --standalone --nproc_per_node=8 examples/train_ddp.py --download
     torchrun --standalone --nproc_per_node=2 examples/train_ddp.py --device cpu
 
-torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without them this is one plain process.
-"""
+torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without them it is one plain process."""
 import argparse
 import json
 import os
@@ -23,7 +22,8 @@ class CIFAR10(datasets.CIFAR10):
     def __init__(self, root, **kwargs):
         marker = os.path.join(root, self.base_folder, "SYNTHETIC_DATA.json")
         if os.path.exists(marker):
-            md5 = json.loads(open(marker).read())["md5"]
+            with open(marker) as f:
+                md5 = json.load(f)["md5"]
             self.train_list = [[name, md5[name]] for name, _ in self.train_list]
             self.test_list = [[name, md5[name]] for name, _ in self.test_list]
             self.meta = {**self.meta, "md5": md5[self.meta["filename"]]}
@@ -58,58 +58,60 @@ def main():
     p.add_argument("--out", default="runs/train_ddp")
     args = p.parse_args()
 
-    # --- processes: one per GPU (or CPU share), started by torchrun -------------------
+    # --- processes: one per GPU (or CPU share), started by torchrun ------------------
     ddp = "RANK" in os.environ
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    gpu = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    if gpu and not torch.cuda.is_available():
+        p.error("--device cuda, but torch.cuda.is_available() is False here")
+    device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
     if args.global_batch % world:
         raise SystemExit(f"--global-batch must be divisible by {world} processes")
-    if cuda:
+    if gpu:
         torch.cuda.set_device(device)  # before anything else touches the GPU
     if ddp:
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group("nccl" if gpu else "gloo")
 
-    # --- data: downloaded once per node, then every process reads it ------------------
+    # --- data: downloaded once per node (to each node's own disk) --------------------
     normalize = [transforms.ToTensor(), transforms.Normalize(
         (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))]
     augment = [] if args.no_augment else [transforms.RandomCrop(32, padding=4),
                                           transforms.RandomHorizontalFlip()]
     if local_rank == 0 and args.download:
-        datasets.CIFAR10(args.data, download=True)  # the archive holds both halves
+        CIFAR10(args.data, download=True)  # one archive holds both halves
     if ddp:
-        dist.barrier()  # the other processes wait for the download
+        dist.barrier(device_ids=[local_rank] if gpu else None)  # wait for the data
     if not os.path.isdir(os.path.join(args.data, "cifar-10-batches-py")):
         raise SystemExit(f"no CIFAR-10 in --data {args.data}: add --download")
     train_set = CIFAR10(args.data, train=True,
                         transform=transforms.Compose(augment + normalize))
     test_set = CIFAR10(args.data, train=False, transform=transforms.Compose(normalize))
-    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True,
-                                 seed=args.seed)  # every world-th of a permutation
+    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank,
+                                 seed=args.seed, drop_last=True)  # no padded copies
     train_loader = DataLoader(
         train_set, batch_size=args.global_batch // world, sampler=sampler,
         drop_last=True, num_workers=args.workers, persistent_workers=args.workers > 0,
-        pin_memory=cuda,  # and a different base seed for each rank's workers:
+        pin_memory=gpu,  # and a different base seed for each rank's workers
         generator=torch.Generator().manual_seed(args.seed * 1000 + rank))
-    test_shard = Subset(test_set, range(rank, len(test_set), world))  # no copies
-    test_loader = DataLoader(test_shard, batch_size=512, num_workers=args.workers)
+    test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world)),
+                             batch_size=512, num_workers=args.workers,  # each once
+                             persistent_workers=args.workers > 0)
 
-    # --- model: the same initial weights on every process -----------------------------
+    # --- model: the same initial weights on every process ----------------------------
     torch.manual_seed(args.seed)
-    model = SimpleCNN().to(device)
-    if ddp:  # broadcasts rank 0's weights, then averages gradients in backward
-        model = DDP(model, device_ids=[local_rank] if cuda else None)
+    raw = SimpleCNN().to(device)  # DDP broadcasts rank 0's weights, averages gradients
+    model = DDP(raw, device_ids=[local_rank] if gpu else None) if ddp else raw
+    torch.manual_seed(args.seed * 1000 + rank)  # augmentations when --workers 0
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
                                 weight_decay=5e-4, nesterov=True)
-    steps = len(train_loader)  # per epoch, the same on every rank
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=args.lr, total_steps=args.epochs * steps, pct_start=0.25,
-        cycle_momentum=False)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(  # steps: the same on every rank
+        optimizer, max_lr=args.lr, total_steps=args.epochs * len(train_loader),
+        pct_start=0.25, cycle_momentum=False)
 
-    # --- training ---------------------------------------------------------------------
+    # --- training --------------------------------------------------------------------
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
+        sampler.set_epoch(epoch)  # a new permutation each epoch, equal on all ranks
         model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for x, y in train_loader:
@@ -121,11 +123,10 @@ def main():
             scheduler.step()
             loss_sum += loss.detach()  # read once per epoch, not every step
         model.eval()
-        correct = count = 0
+        correct, count = 0, len(test_loader.dataset)  # this rank's share
         with torch.no_grad():
             for x, y in test_loader:
-                correct += int((model(x.to(device)).argmax(1) == y.to(device)).sum())
-                count += len(y)
+                correct += int((raw(x.to(device)).argmax(1) == y.to(device)).sum())
         totals = torch.tensor([loss_sum.item(), correct, count], dtype=torch.float64,
                               device=device)
         if ddp:
@@ -133,14 +134,13 @@ def main():
         loss_total, correct, count = totals.tolist()
         if rank == 0:  # one process logs and saves
             print(f"epoch {epoch + 1}/{args.epochs}: train loss "
-                  f"{loss_total / (steps * world):.4f}, test accuracy "
+                  f"{loss_total / (len(train_loader) * world):.4f}, test accuracy "
                   f"{correct / count:.4f} ({int(count)} images)", flush=True)
 
-    if rank == 0:  # one file, written whole or not at all
+    if rank == 0:  # a file written whole or not at all, if the process dies
         os.makedirs(args.out, exist_ok=True)
-        weights = (model.module if ddp else model).state_dict()
         path = os.path.join(args.out, "model_final.pt")
-        torch.save({k: v.cpu() for k, v in weights.items()}, path + ".tmp")
+        torch.save({k: v.cpu() for k, v in raw.state_dict().items()}, path + ".tmp")
         os.replace(path + ".tmp", path)
     if ddp:
         dist.destroy_process_group()

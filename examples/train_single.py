@@ -1,0 +1,120 @@
+"""CIFAR-10 in one process (torch and torchvision only): train_ddp.py without DDP.
+
+    python examples/train_single.py --download"""
+import argparse
+import json
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+from torchvision import datasets, transforms
+
+
+class CIFAR10(datasets.CIFAR10):
+    """torchvision's; for the book's generated stand-in, the MD5s written with it."""
+    def __init__(self, root, **kwargs):
+        marker = os.path.join(root, self.base_folder, "SYNTHETIC_DATA.json")
+        if os.path.exists(marker):
+            with open(marker) as f:
+                md5 = json.load(f)["md5"]
+            self.train_list = [[name, md5[name]] for name, _ in self.train_list]
+            self.test_list = [[name, md5[name]] for name, _ in self.test_list]
+            self.meta = {**self.meta, "md5": md5[self.meta["filename"]]}
+        super().__init__(root, **kwargs)
+
+
+class SimpleCNN(nn.Module):
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 32, 3, padding=1)
+        self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
+        self.fc1 = nn.Linear(64 * 8 * 8, 512)
+        self.fc2 = nn.Linear(512, num_classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(torch.flatten(x, 1))))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--data", default="data")  # holds cifar-10-batches-py
+    p.add_argument("--download", action="store_true")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--workers", type=int, default=2)  # DataLoader workers
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--no-augment", action="store_true")  # to compare runs exactly
+    p.add_argument("--out", default="runs/train_single")
+    args = p.parse_args()
+
+    gpu = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    if gpu and not torch.cuda.is_available():
+        p.error("--device cuda, but torch.cuda.is_available() is False here")
+    device = torch.device("cuda") if gpu else torch.device("cpu")
+
+    # --- data ------------------------------------------------------------------------
+    normalize = [transforms.ToTensor(), transforms.Normalize(
+        (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))]
+    augment = [] if args.no_augment else [transforms.RandomCrop(32, padding=4),
+                                          transforms.RandomHorizontalFlip()]
+    if args.download:
+        CIFAR10(args.data, download=True)  # one archive holds both halves
+    if not os.path.isdir(os.path.join(args.data, "cifar-10-batches-py")):
+        raise SystemExit(f"no CIFAR-10 in --data {args.data}: add --download")
+    train_set = CIFAR10(args.data, train=True,
+                        transform=transforms.Compose(augment + normalize))
+    test_set = CIFAR10(args.data, train=False, transform=transforms.Compose(normalize))
+    train_loader = DataLoader(
+        train_set, batch_size=args.batch, shuffle=True,
+        drop_last=True, num_workers=args.workers, persistent_workers=args.workers > 0,
+        pin_memory=gpu,
+        generator=torch.Generator().manual_seed(args.seed))
+    test_loader = DataLoader(test_set,
+                             batch_size=512, num_workers=args.workers,
+                             persistent_workers=args.workers > 0)
+
+    # --- model -----------------------------------------------------------------------
+    torch.manual_seed(args.seed)
+    model = SimpleCNN().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
+                                weight_decay=5e-4, nesterov=True)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=args.lr, total_steps=args.epochs * len(train_loader),
+        pct_start=0.25, cycle_momentum=False)
+
+    # --- training --------------------------------------------------------------------
+    for epoch in range(args.epochs):
+        model.train()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for x, y in train_loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            loss_sum += loss.detach()  # read once per epoch, not every step
+        model.eval()
+        correct, count = 0, len(test_loader.dataset)
+        with torch.no_grad():
+            for x, y in test_loader:
+                correct += int((model(x.to(device)).argmax(1) == y.to(device)).sum())
+        loss_total = loss_sum.item()
+        print(f"epoch {epoch + 1}/{args.epochs}: train loss "
+              f"{loss_total / len(train_loader):.4f}, test accuracy "
+              f"{correct / count:.4f} ({int(count)} images)", flush=True)
+
+    os.makedirs(args.out, exist_ok=True)  # a file written whole or not at all
+    path = os.path.join(args.out, "model_final.pt")
+    torch.save({k: v.cpu() for k, v in model.state_dict().items()}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":  # spawned workers (macOS, Windows) import this file
+    main()
