@@ -18,7 +18,7 @@ from torchvision import datasets, transforms
 
 
 class CIFAR10(datasets.CIFAR10):
-    """torchvision's; for the book's generated stand-in, the MD5s written with it."""
+    """torchvision's checks the real MD5s; the book's stand-in records its own."""
     def __init__(self, root, **kwargs):
         marker = os.path.join(root, self.base_folder, "SYNTHETIC_DATA.json")
         if os.path.exists(marker):
@@ -73,7 +73,7 @@ def main():
     if ddp:
         dist.init_process_group("nccl" if gpu else "gloo")
 
-    # --- data: downloaded once per node (to each node's own disk) --------------------
+    # --- data: downloaded once per node (nodes sharing a disk: use rank == 0) -------
     normalize = [transforms.ToTensor(), transforms.Normalize(
         (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))]
     augment = [] if args.no_augment else [transforms.RandomCrop(32, padding=4),
@@ -102,7 +102,7 @@ def main():
     torch.manual_seed(args.seed)
     raw = SimpleCNN().to(device)  # DDP broadcasts rank 0's weights, averages gradients
     model = DDP(raw, device_ids=[local_rank] if gpu else None) if ddp else raw
-    torch.manual_seed(args.seed * 1000 + rank)  # augmentations when --workers 0
+    torch.manual_seed(args.seed * 1000 + rank)  # per rank now (--workers 0 augments)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
                                 weight_decay=5e-4, nesterov=True)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(  # steps: the same on every rank
@@ -122,7 +122,7 @@ def main():
             optimizer.step()
             scheduler.step()
             loss_sum += loss.detach()  # read once per epoch, not every step
-        model.eval()
+        model.eval()  # evaluate raw, not model: DDP's forward may sync buffers
         correct, count = 0, len(test_loader.dataset)  # this rank's share
         with torch.no_grad():
             for x, y in test_loader:

@@ -13,7 +13,7 @@ from torchvision import datasets, transforms
 
 
 class CIFAR10(datasets.CIFAR10):
-    """torchvision's; for the book's generated stand-in, the MD5s written with it."""
+    """torchvision's checks the real MD5s; the book's stand-in records its own."""
     def __init__(self, root, **kwargs):
         marker = os.path.join(root, self.base_folder, "SYNTHETIC_DATA.json")
         if os.path.exists(marker):
