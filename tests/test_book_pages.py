@@ -14,6 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOC = yaml.safe_load((ROOT / "_toc.yml").read_text())
 NUMBERED = [c["file"] for part in TOC["parts"] if part.get("numbered")
             for c in part["chapters"]]
+CHAPTER_0 = "notebooks/00_the_picture"  # before Part I, in "Getting started"
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "book").glob("*.md"))
 
 

@@ -1,4 +1,4 @@
-"""examples/train_ddp.py, chapter 10's whole script: it runs under torchrun on 2 CPU
+"""examples/train_ddp.py, chapter 11's whole script: it runs under torchrun on 2 CPU
 ranks and alone, 2 ranks equal 1 process, and where its features overlap with
 utils.train_cifar10 (no augmentation) the two give the same weights. Its baseline
 without DDP, examples/train_single.py, runs.
@@ -52,7 +52,7 @@ def weights(out):
 @pytest.mark.parametrize("path", [SCRIPT, SINGLE], ids=lambda p: p.split("/")[-1])
 def test_the_script_is_short_enough_to_show_whole(path):
     lines = pathlib.Path(path).read_text().splitlines()
-    # 87 characters: chapter 10's diff of the two adds a column and must fit the page's 88
+    # 87 characters: chapter 11's diff of the two adds a column and must fit the page's 88
     assert len(lines) <= 150 and max(map(len, lines)) <= 87
 
 

@@ -192,7 +192,7 @@ class PyRandomCrop(Dataset):
         return index, self.rng.randrange(1_000_000)
 
 
-# --- chapter 6: IterableDataset -------------------------------------------------------
+# --- chapter 7: IterableDataset -------------------------------------------------------
 
 class Numbers(IterableDataset):
     def __init__(self, n):
@@ -271,7 +271,7 @@ class EpochKeyed(AugmentedSamples):
         return index, int(torch.randint(0, 1_000_000, (), generator=g))
 
 
-# --- chapter 6: configuring each worker's copy in worker_init_fn ----------------------
+# --- chapter 7: configuring each worker's copy in worker_init_fn ----------------------
 
 class RangeStream(IterableDataset):
     """Yields start, ..., end - 1; a worker_init_fn may narrow its copy's range."""
@@ -298,7 +298,7 @@ def split_range_per_worker(worker_id):
     stream.end = start + size * (g + 1) // total
 
 
-# --- chapter 11: loader throughput ----------------------------------------------------
+# --- chapter 12: loader throughput ----------------------------------------------------
 
 class IndexPid(Dataset):
     """Sample i is (i, the id of the process that loaded it), for ``n`` samples."""

@@ -7,7 +7,7 @@ padding=4)``, zero padding, as torchvision's) and flipped (``RandomHorizontalFli
 converted to float and normalised, with a handful of kernels per batch and no host
 synchronisation. The same code runs on CPU tensors, which is how it is tested.
 
-Public names (stable; the benchmark and chapter 11 import them):
+Public names (stable; the benchmark and chapter 12 import them):
 
 - ``GPULoader(images, labels, batch_size, ...)``: the loader. ``set_epoch(epoch,
   start_batch=0)`` then iterate: ``(images, labels)`` batches on the device, float32

@@ -240,7 +240,7 @@ def eval_workers(workers: int) -> int:
     the training ones.
 
     They sit idle while the training workers run, but they are processes: a node runs
-    ``processes per node x (1 + workers + eval_workers(workers))`` of them (chapter 10's
+    ``processes per node x (1 + workers + eval_workers(workers))`` of them (chapter 11's
     CPU budget).
     """
     return min(workers, 2)
@@ -264,7 +264,7 @@ def init_process_group(backend: str, device: torch.device | None = None) -> None
 
     torchrun (2.14) keeps its key-value store across restarts, and without a fresh
     prefix the restarted ranks read the addresses of the processes that died and try to
-    connect to them (chapter 10 shows it). ``TORCHELASTIC_RESTART_COUNT`` cannot name
+    connect to them (chapter 11 shows it). ``TORCHELASTIC_RESTART_COUNT`` cannot name
     the attempt on several nodes: only the agent whose worker failed counts a restart.
     So the attempt is counted in the store itself: every process adds 1 to a counter,
     and processes ``k*W+1 .. (k+1)*W`` are attempt ``k``.
@@ -556,7 +556,7 @@ def agree_on_resume(path: str, config: dict, rank: int, ddp: bool) -> dict | Non
 # --- training -------------------------------------------------------------------------
 
 def evaluate(model: nn.Module, loader, device) -> float:
-    """Exact test accuracy of rank 0's model: uneven shards, no padding (chapter 8).
+    """Exact test accuracy of rank 0's model: uneven shards, no padding (chapter 9).
 
     Every rank first takes rank 0's buffers (BatchNorm's running statistics): without
     --sync-bn each rank's follow its own last batch, and scoring each shard on its own
