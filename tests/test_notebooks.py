@@ -160,8 +160,69 @@ def figure_problems(path):
     return problems
 
 
-@pytest.mark.parametrize("check", [long_lines, figure_problems],
-                         ids=["lines_within_88", "figures_with_alt_caption_name"])
+# A cell that does set-up, run and read-out at once is hard to follow: split it
+MAX_CELL_LINES = 40
+
+
+def long_cells(path):
+    """Every code cell over MAX_CELL_LINES lines."""
+    return [f"{_where(path, i, cell)}: {n} lines, over {MAX_CELL_LINES}: split it into "
+            "set-up, run and read-out" for i, cell in _code_cells(path)
+            if (n := len(cell.source.splitlines())) > MAX_CELL_LINES]
+
+
+KEY_POINTS = "```{admonition} Key points"
+DONT_COPY = "```{admonition} Don't copy"
+
+
+def marking_problems(path):
+    """A "Key points" box closes the summary; wrong code sits under a "Don't copy" box.
+
+    Code reproduced to show a mistake starts with the comment "# Don't copy: <what is
+    wrong>", and the markdown cell right above it opens the red "Don't copy" admonition
+    (```{admonition} Don't copy ... :class: danger), so that the page tells wrong code
+    from right code before the reader copies it.
+    """
+    cells = nbformat.read(path, as_version=4).cells
+    problems = []
+    boxes = [i for i, c in enumerate(cells)
+             if c.cell_type == "markdown" and KEY_POINTS in c.source]
+    if len(boxes) != 1:
+        problems.append(f"{path.name}: {len(boxes)} Key points boxes, want one")
+    else:
+        text = cells[boxes[0]].source
+        before = "\n".join(c.source for c in cells[:boxes[0]] if c.cell_type == "markdown")
+        at = text.index(KEY_POINTS)
+        if "## Summary" not in before + text[:at] or "## Exercises" in before + text[:at]:
+            problems.append(f"{path.name}: the Key points box belongs after '## Summary' "
+                            "and before '## Exercises'")
+        if ":class: tip" not in text[at:].split("```")[1]:
+            problems.append(f"{path.name}: the Key points box wants ':class: tip'")
+    for i, cell in enumerate(cells):
+        above = cells[i - 1] if i else None
+        marked_above = (above is not None and above.cell_type == "markdown"
+                        and DONT_COPY in above.source)
+        if cell.cell_type == "code" and cell.source.startswith("# Don't copy:"):
+            if not marked_above:
+                problems.append(f"{_where(path, i, cell)}: wrong code without a "
+                                "'Don't copy' admonition in the cell above")
+        elif cell.cell_type == "markdown" and DONT_COPY in cell.source:
+            box = cell.source[cell.source.index(DONT_COPY):].split("```")[1]
+            if ":class: danger" not in box:
+                problems.append(f"{path.name} cell {i}: a Don't copy box wants "
+                                "':class: danger'")
+            nxt = cells[i + 1] if i + 1 < len(cells) else None
+            if nxt is None or not (nxt.cell_type == "code"
+                                   and nxt.source.startswith("# Don't copy:")):
+                problems.append(f"{path.name} cell {i}: a Don't copy box not followed by "
+                                "a code cell starting '# Don't copy:'")
+    return problems
+
+
+@pytest.mark.parametrize("check", [long_lines, figure_problems, long_cells,
+                                   marking_problems],
+                         ids=["lines_within_88", "figures_with_alt_caption_name",
+                              "cells_within_40_lines", "key_points_and_dont_copy"])
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_what_the_book_shows(path, check):
     """Code and output lines fit the page; each picture is a described, numbered figure."""
