@@ -32,6 +32,17 @@ def test_plot_epoch_orders_rows_are_labelled():
     plt.close(fig)
 
 
+def test_value_offset_writes_values_and_keeps_colours():
+    rows = {"epoch 0": [3, 1, 2, 0]}
+    plain, shifted = plot_epoch_orders(rows, 4), plot_epoch_orders(rows, 4, value_offset=1)
+    assert [t.get_text() for t in plain.axes[0].texts] == ["3", "1", "2", "0"]
+    assert [t.get_text() for t in shifted.axes[0].texts] == ["4", "2", "3", "1"]
+    assert ([c.get_facecolor() for c in _cells(plain)]
+            == [c.get_facecolor() for c in _cells(shifted)])
+    plt.close(plain)
+    plt.close(shifted)
+
+
 def test_shard_explorer_builds_and_redraws():
     ui = shard_explorer(dataset_len=10, world_size=2, batch_size=3)
     sliders = [w for box in ui.children[:2] for w in box.children]

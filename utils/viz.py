@@ -42,10 +42,13 @@ def plot_index_rows(
     cmap: str = "viridis",
     categories: Mapping[str, Sequence[int]] | None = None,
     category_name: str = "worker",
+    value_offset: int = 0,
 ):
     """Draw labelled rows of indices as a grid, hatching the ``marked`` (row, position).
 
-    With ``categories`` (one int per cell, e.g. the worker that loaded it) cells are
+    Each cell is coloured by its index and shows ``index + value_offset``: the sample's
+    value for a data set whose sample ``i`` holds ``i + value_offset``. With
+    ``categories`` (one int per cell, e.g. the worker that loaded it) cells are
     coloured by category instead of by index, with a legend under the grid.
     """
     labels = list(rows)
@@ -103,7 +106,8 @@ def plot_index_rows(
     if cell_pt >= _MIN_CELL_PT:
         for (r, p), shade in shades.items():
             lum = 0.299 * shade[0] + 0.587 * shade[1] + 0.114 * shade[2]
-            ax.text(p + 0.5, r + 0.5, str(rows[labels[r]][p]), ha="center", va="center",
+            ax.text(p + 0.5, r + 0.5, str(rows[labels[r]][p] + value_offset),
+                    ha="center", va="center",
                     fontsize=MIN_FONT_PT, color="black" if lum > 0.5 else "white")
     # tick labels (up to three digits at 10 pt) at least 20 points apart
     step = next(s for s in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
@@ -125,10 +129,12 @@ def plot_shards(shards: Sequence[Sequence[int]], dataset_len: int, *,
 
 
 def plot_epoch_orders(orders: Mapping[str, Sequence[int]], dataset_len: int, *,
-                      batch_size: int | None = None, title: str | None = None, ax=None):
+                      batch_size: int | None = None, title: str | None = None, ax=None,
+                      value_offset: int = 0):
     """One row per epoch (or any label): how the order a rank sees changes by epoch."""
     rows = {label: list(map(int, order)) for label, order in orders.items()}
-    return plot_index_rows(rows, dataset_len, batch_size=batch_size, title=title, ax=ax)
+    return plot_index_rows(rows, dataset_len, batch_size=batch_size, title=title, ax=ax,
+                           value_offset=value_offset)
 
 
 def explorer_picture(dataset_len: int = 25, world_size: int = 3, shuffle: bool = True,
