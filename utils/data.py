@@ -178,10 +178,7 @@ def write_synthetic_cifar10(root: str, n_train: int = 5000, n_test: int = 1000,
     bytes, discard theirs. A folder that already holds other data is refused rather
     than overwritten.
     """
-    import hashlib
-    import json
     import os
-    import pickle
     import shutil
     import tempfile
 
@@ -191,6 +188,26 @@ def write_synthetic_cifar10(root: str, n_train: int = 5000, n_test: int = 1000,
     final = os.path.join(root, "cifar-10-batches-py")
     recipe = {"synthetic": True, "generator": "utils.data.write_synthetic_cifar10",
               "n_train": n_train, "n_test": n_test, "seed": seed}
+    if os.path.isdir(final):
+        return _keep_or_refuse(final, recipe)
+    os.makedirs(root, exist_ok=True)
+    folder = tempfile.mkdtemp(prefix=".cifar-10-batches-py.", dir=root)
+    _write_synthetic_batches(folder, n_train, n_test, seed)
+    _write_synthetic_marker(folder, recipe)
+    os.chmod(folder, 0o755)  # mkdtemp made it private
+    try:
+        os.rename(folder, final)  # atomic; fails if another writer got there first
+    except OSError:
+        shutil.rmtree(folder, ignore_errors=True)
+        return _keep_or_refuse(final, recipe)
+    return final
+
+
+def _keep_or_refuse(final: str, recipe: dict) -> str:
+    """``final`` if it holds the synthetic data ``recipe`` describes; otherwise a
+    ``FileExistsError``."""
+    import json
+    import os
 
     def existing_recipe():
         try:
@@ -199,51 +216,67 @@ def write_synthetic_cifar10(root: str, n_train: int = 5000, n_test: int = 1000,
         except (OSError, ValueError):
             return None
 
-    def keep_or_refuse():
-        if existing_recipe() != recipe:
-            raise FileExistsError(f"{final} already holds other data "
-                                  f"({existing_recipe() or 'not synthetic'}); "
-                                  f"remove it or write to another root")
-        return final
+    if existing_recipe() != recipe:
+        raise FileExistsError(f"{final} already holds other data "
+                              f"({existing_recipe() or 'not synthetic'}); "
+                              f"remove it or write to another root")
+    return final
 
-    if os.path.isdir(final):
-        return keep_or_refuse()
-    os.makedirs(root, exist_ok=True)
-    folder = tempfile.mkdtemp(prefix=".cifar-10-batches-py.", dir=root)
-    rng = np.random.default_rng(seed)
-    palette = rng.integers(40, 216, size=(10, 3))
+
+def _synthetic_images(rng, n: int, palette) -> tuple[np.ndarray, list[int]]:
+    """``n`` images in CIFAR-10's layout (rows of 3072 bytes, channel by channel) and
+    their labels: each class's coloured blob at its position, shifted at random, on a
+    noisy background."""
     # two columns, five rows
     centres = [(8 + 16 * (c % 2), 5 + 5.5 * (c // 2)) for c in range(10)]
     yy, xx = np.mgrid[0:32, 0:32]
+    labels = rng.integers(0, 10, size=n)
+    data = rng.normal(128, 40, size=(n, 32, 32, 3))
+    for i, c in enumerate(labels):
+        cy, cx = (centres[c][1] + rng.normal(0, 1.5),
+                  centres[c][0] + rng.normal(0, 1.5))
+        blob = np.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / (2 * 3.0**2))[..., None]
+        data[i] = data[i] * (1 - blob) + palette[c] * blob
+    data = np.clip(data, 0, 255).astype(np.uint8)
+    return data.transpose(0, 3, 1, 2).reshape(n, 3072), labels.tolist()
 
-    def images(n):
-        labels = rng.integers(0, 10, size=n)
-        data = rng.normal(128, 40, size=(n, 32, 32, 3))
-        for i, c in enumerate(labels):
-            cy, cx = (centres[c][1] + rng.normal(0, 1.5),
-                      centres[c][0] + rng.normal(0, 1.5))
-            blob = np.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / (2 * 3.0**2))[..., None]
-            data[i] = data[i] * (1 - blob) + palette[c] * blob
-        data = np.clip(data, 0, 255).astype(np.uint8)
-        return data.transpose(0, 3, 1, 2).reshape(n, 3072), labels.tolist()
+
+def _write_synthetic_batches(folder: str, n_train: int, n_test: int,
+                             seed: int) -> None:
+    """``data_batch_1..5``, ``test_batch`` and ``batches.meta`` in ``folder``, pickled
+    as the real ones."""
+    import os
+    import pickle
+
+    rng = np.random.default_rng(seed)
+    palette = rng.integers(40, 216, size=(10, 3))
 
     def dump(name, obj):
         with open(os.path.join(folder, name), "wb") as f:
             pickle.dump(obj, f, protocol=2)
 
-    train_data, train_labels = images(n_train)
+    train_data, train_labels = _synthetic_images(rng, n_train, palette)
     for b, part in enumerate(np.array_split(np.arange(n_train), 5), start=1):
         dump(f"data_batch_{b}", {"batch_label": f"synthetic training batch {b} of 5",
                                   "data": train_data[part],
                                   "labels": [train_labels[i] for i in part],
                                   "filenames": [f"synthetic_{i}.png" for i in part]})
-    test_data, test_labels = images(n_test)
+    test_data, test_labels = _synthetic_images(rng, n_test, palette)
     dump("test_batch", {"batch_label": "synthetic testing batch 1 of 1",
                         "data": test_data, "labels": test_labels,
                         "filenames": [f"synthetic_test_{i}.png"
                                       for i in range(n_test)]})
     dump("batches.meta", {"label_names": CIFAR_CLASSES,
                           "num_cases_per_batch": n_train // 5, "num_vis": 3072})
+
+
+def _write_synthetic_marker(folder: str, recipe: dict) -> None:
+    """``SYNTHETIC_DATA.json``: the recipe and the MD5 of every file in ``folder``
+    (``load_cifar10`` checks them)."""
+    import hashlib
+    import json
+    import os
+
     md5 = {}
     for name in sorted(os.listdir(folder)):
         if name != SYNTHETIC_MARKER:
@@ -251,13 +284,6 @@ def write_synthetic_cifar10(root: str, n_train: int = 5000, n_test: int = 1000,
                 md5[name] = hashlib.md5(f.read()).hexdigest()
     with open(os.path.join(folder, SYNTHETIC_MARKER), "w") as f:
         json.dump({**recipe, "md5": md5}, f, indent=2)
-    os.chmod(folder, 0o755)  # mkdtemp made it private
-    try:
-        os.rename(folder, final)  # atomic; fails if another writer got there first
-    except OSError:
-        shutil.rmtree(folder, ignore_errors=True)
-        return keep_or_refuse()
-    return final
 
 
 def download_cifar10(root: str) -> str:

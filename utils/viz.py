@@ -57,21 +57,7 @@ def plot_index_rows(
         fig_w = min(max(5.0, 0.45 * width + 2.0), MAX_WIDTH_IN)
         legend_h = 0.3 if categories is not None else 0.0
         _, ax = plt.subplots(figsize=(fig_w, 0.5 * len(labels) + 1.0 + legend_h))
-    colours = plt.get_cmap(cmap)
-    palette = plt.get_cmap("tab10")
-    shades = {}
-    for r, label in enumerate(labels):
-        for p, index in enumerate(rows[label]):
-            if categories is not None:
-                shade = palette(categories[label][p] % 10)
-            else:
-                shade = colours(index / max(dataset_len - 1, 1))
-            shades[r, p] = shade
-            pad = (r, p) in marked
-            ax.add_patch(Rectangle((p, r), 1, 1, facecolor=shade,
-                                   edgecolor=_PAD_COLOUR if pad else "white",
-                                   linewidth=2.5 if pad else 1,
-                                   hatch="//" if pad else None))
+    shades = _draw_cells(ax, rows, dataset_len, marked, cmap, categories)
     if batch_size:
         for x in range(batch_size, width, batch_size):
             ax.axvline(x, color="black", linewidth=2)
@@ -85,15 +71,7 @@ def plot_index_rows(
     for side in ax.spines.values():
         side.set_visible(False)
     if categories is not None:
-        found = sorted({c for row in categories.values() for c in row})
-        ax.legend(handles=[Rectangle((0, 0), 1, 1, facecolor=palette(c % 10))
-                           for c in found],
-                  labels=[f"{category_name} {c}" for c in found], loc="upper center",
-                  # under the tick labels and the axis label
-                  bbox_to_anchor=(0.5, 0), ncol=len(found), frameon=False,
-                  bbox_transform=offset_copy(ax.transAxes, ax.figure, y=-36,
-                                             units="points"),
-                  fontsize=MIN_FONT_PT)
+        _category_legend(ax, categories, category_name)
     if marked:
         note = "hatched red cells: padding (repeated samples)"
         title = f"{title}\n{note}" if title else note
@@ -101,6 +79,53 @@ def plot_index_rows(
         ax.set_title(title, fontsize=10)
     fig = ax.figure
     fig.tight_layout()
+    _number_cells_and_positions(ax, rows, shades, width, value_offset)
+    fig.tight_layout()
+    return fig
+
+
+def _draw_cells(ax, rows, dataset_len, marked, cmap, categories) -> dict:
+    """One square per (row, position), coloured by its index (or its category);
+    ``marked`` ones hatched and outlined in red. The colour of each, by (row,
+    position)."""
+    colours = plt.get_cmap(cmap)
+    palette = plt.get_cmap("tab10")
+    shades = {}
+    for r, label in enumerate(rows):
+        for p, index in enumerate(rows[label]):
+            if categories is not None:
+                shade = palette(categories[label][p] % 10)
+            else:
+                shade = colours(index / max(dataset_len - 1, 1))
+            shades[r, p] = shade
+            pad = (r, p) in marked
+            ax.add_patch(Rectangle((p, r), 1, 1, facecolor=shade,
+                                   edgecolor=_PAD_COLOUR if pad else "white",
+                                   linewidth=2.5 if pad else 1,
+                                   hatch="//" if pad else None))
+    return shades
+
+
+def _category_legend(ax, categories, category_name) -> None:
+    """A legend of the categories' colours under the grid, in one row."""
+    palette = plt.get_cmap("tab10")
+    found = sorted({c for row in categories.values() for c in row})
+    ax.legend(handles=[Rectangle((0, 0), 1, 1, facecolor=palette(c % 10))
+                       for c in found],
+              labels=[f"{category_name} {c}" for c in found], loc="upper center",
+              # under the tick labels and the axis label
+              bbox_to_anchor=(0.5, 0), ncol=len(found), frameon=False,
+              bbox_transform=offset_copy(ax.transAxes, ax.figure, y=-36,
+                                         units="points"),
+              fontsize=MIN_FONT_PT)
+
+
+def _number_cells_and_positions(ax, rows, shades, width, value_offset) -> None:
+    """Each cell's ``index + value_offset``, where cells are wide enough at
+    ``MIN_FONT_PT``, and position ticks at least 20 points apart; needs the laid-out
+    axes' width."""
+    labels = list(rows)
+    fig = ax.figure
     # the width of one cell in points, now that the row labels have taken their share
     cell_pt = ax.get_position().width * fig.get_figwidth() * 72 / max(width, 1)
     if cell_pt >= _MIN_CELL_PT:
@@ -114,8 +139,6 @@ def plot_index_rows(
                 if s * cell_pt >= 20 or s == 5000)
     ticks = range(0, width, step)
     ax.set_xticks(np.array(ticks) + 0.5, [str(i) for i in ticks])
-    fig.tight_layout()
-    return fig
 
 
 def plot_shards(shards: Sequence[Sequence[int]], dataset_len: int, *,
