@@ -61,7 +61,7 @@ class CustomDataset(Dataset):
         return self.len
 
 
-# --- chapter 5: workers, start methods and seeding ------------------------------------
+# --- chapter 5: workers, start methods, processes per job, what spawn copies ----------
 
 class WhoLoaded(Dataset):
     def __len__(self):
@@ -117,6 +117,40 @@ def worker_stderr() -> Iterator[io.StringIO]:
             sink.seek(0)
             collected.write(sink.read().decode("utf-8", "replace"))
 
+
+class WorkerPid(Dataset):
+    """Sample i is (i, the id of the process that loaded it)."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return index, os.getpid()
+
+
+class CopiedOrShared(Dataset):
+    """Counts its pickles; each worker writes into its NumPy array and its tensor."""
+
+    pickled = 0   # a class attribute, counted in the process that pickles
+
+    def __init__(self, megabytes=8):
+        self.array = np.zeros(megabytes * 2**20 // 8, dtype=np.int64)
+        self.tensor = torch.zeros(4, dtype=torch.int64)
+
+    def __getstate__(self):
+        type(self).pickled += 1
+        return self.__dict__
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        worker = get_worker_info().id
+        self.array[worker + 1] = self.tensor[worker + 1] = 7   # into this worker's copy
+        return self.array[:4].tolist()                        # what its copy holds
+
+
+# --- chapter 6: seeding and reproducibility -------------------------------------------
 
 class WorkerSeeds(Dataset):
     def __len__(self):
@@ -192,6 +226,24 @@ class PyRandomCrop(Dataset):
         return index, self.rng.randrange(1_000_000)
 
 
+def tutorial_seed_worker(worker_id):
+    worker_seed = torch.initial_seed() % 2**32   # PyTorch's randomness notes; [S1]
+    np.random.seed(worker_seed)
+    random.seed(worker_seed)
+
+
+class EpochKeyed(AugmentedSamples):
+    """AugmentedSamples whose indices arrive as (epoch, index) pairs."""
+
+    def __init__(self):
+        super().__init__("keyed")
+
+    def __getitem__(self, key):
+        epoch, index = key   # the epoch travels with the index, to whichever worker
+        g = sample_generator(0, epoch, index)
+        return index, int(torch.randint(0, 1_000_000, (), generator=g))
+
+
 # --- chapter 7: IterableDataset -------------------------------------------------------
 
 class Numbers(IterableDataset):
@@ -217,58 +269,6 @@ class ShardByRank(Numbers):
 
     def __iter__(self):
         return iter(range(self.rank, self.n, self.world_size))
-
-
-# --- chapter 5: worker processes per job, what spawn copies, epochs in keys -----------
-
-class WorkerPid(Dataset):
-    """Sample i is (i, the id of the process that loaded it)."""
-
-    def __len__(self):
-        return 8
-
-    def __getitem__(self, index):
-        return index, os.getpid()
-
-
-class CopiedOrShared(Dataset):
-    """Counts its pickles; each worker writes into its NumPy array and its tensor."""
-
-    pickled = 0   # a class attribute, counted in the process that pickles
-
-    def __init__(self, megabytes=8):
-        self.array = np.zeros(megabytes * 2**20 // 8, dtype=np.int64)
-        self.tensor = torch.zeros(4, dtype=torch.int64)
-
-    def __getstate__(self):
-        type(self).pickled += 1
-        return self.__dict__
-
-    def __len__(self):
-        return 2
-
-    def __getitem__(self, index):
-        worker = get_worker_info().id
-        self.array[worker + 1] = self.tensor[worker + 1] = 7   # into this worker's copy
-        return self.array[:4].tolist()                        # what its copy holds
-
-
-def tutorial_seed_worker(worker_id):
-    worker_seed = torch.initial_seed() % 2**32   # the tutorial's code [S1]
-    np.random.seed(worker_seed)
-    random.seed(worker_seed)
-
-
-class EpochKeyed(AugmentedSamples):
-    """AugmentedSamples whose indices arrive as (epoch, index) pairs."""
-
-    def __init__(self):
-        super().__init__("keyed")
-
-    def __getitem__(self, key):
-        epoch, index = key   # the epoch travels with the index, to whichever worker
-        g = sample_generator(0, epoch, index)
-        return index, int(torch.randint(0, 1_000_000, (), generator=g))
 
 
 # --- chapter 7: configuring each worker's copy in worker_init_fn ----------------------

@@ -1,7 +1,7 @@
 """Seeding for reproducible, non-repeating randomness across ranks, workers, epochs
 and restarts.
 
-Three rules, each backed by a chapter-5 demonstration:
+Three rules, each backed by a demonstration in chapter 6 (notebooks/06_seeding.ipynb):
 
 1. The *sampler's* seed is shared by all ranks (so shards partition the data); the seed
    of everything else (augmentations, dropout) differs per
@@ -65,7 +65,8 @@ def seed_worker(worker_id: int) -> None:
 
     torch seeds each worker's ``random`` (64-bit ``base_seed + worker_id``) and NumPy's
     global RNG (128 bits mixed from both) before this runs; re-seeding them from
-    ``torch.initial_seed() % 2**32``, as a popular recipe does, cuts that to 32 bits.
+    ``torch.initial_seed() % 2**32``, as the ``seed_worker`` of PyTorch's
+    reproducibility notes does, cuts that to 32 bits.
     What torch cannot reach is an RNG object the data set made in ``__init__``, which
     every worker inherits as an identical copy: a ``reseed(seed)`` method of the data
     set is called with this worker's 64-bit seed.
