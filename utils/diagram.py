@@ -1,9 +1,9 @@
 """The picture of a training job that chapter 0 opens with, drawn from its parameters.
 
 A launcher (``torchrun``) starts one process per GPU, a *rank*; each rank holds a
-``DistributedSampler`` that picks its shard of the data, DataLoader worker processes that
-load the samples of that shard, and a replica of the model; after each backward pass
-the ranks' gradients are averaged with an all-reduce. Every label comes from the
+``DistributedSampler`` that picks its shard of the data, DataLoader worker processes
+that load the samples of that shard, and a replica of the model; after each backward
+pass the ranks' gradients are averaged with an all-reduce. Every label comes from the
 arguments, so the picture cannot disagree with the numbers the chapter runs.
 
 The figure is at most ``MAX_WIDTH_IN`` inches wide and no text in it is smaller than
