@@ -261,6 +261,37 @@ def run_distributed(
     default) hides the GPUs from the ranks; ``device="cuda"`` puts rank ``r`` on
     GPU ``r % device_count``.
     """
+    world_size, threads_per_rank = _check_arguments(fn, world_size, backend, timeout,
+                                                    threads_per_rank, device)
+    payload = cloudpickle.dumps((fn, args, list(warnings.filters)))
+    # The rendezvous store listens in this process on a port the OS picks: no races
+    # for ports.
+    store = dist.TCPStore(_HOST, 0, world_size + 1, True, timedelta(seconds=timeout),
+                          wait_for_workers=False)
+    tmpdir = tempfile.TemporaryDirectory(prefix="run_distributed_")
+    files = [{kind: os.path.join(tmpdir.name, f"{kind}{rank}")
+              for kind in ("stack", "ready", "output")}
+             for rank in range(world_size)]
+    procs, conns = [], []
+    try:
+        settings = (world_size, store.port, backend, device, mp.get_start_method(),
+                    float(timeout), threads_per_rank)
+        _start_ranks(settings, payload, files, procs, conns)
+        results = _collect_results(procs, conns, files, timeout)
+        _release_ranks(procs, conns)
+    finally:
+        _stop_ranks(procs, conns)
+        if show_output:
+            # also when a rank failed or hung: its prints help most then
+            _print_outputs(files)
+        tmpdir.cleanup()
+    return results
+
+
+def _check_arguments(fn, world_size, backend, timeout, threads_per_rank,
+                     device) -> tuple[int, int]:
+    """Refuse bad arguments before any process starts; ``(world_size,
+    threads_per_rank)`` as ints."""
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     world_size = check_int("world_size", world_size, minimum=1)
@@ -281,83 +312,93 @@ def run_distributed(
     if device == "cpu" and backend == "nccl":
         raise ValueError("backend='nccl' moves CUDA tensors only; "
                          "use device='cuda' with it, or backend='gloo'")
+    return world_size, threads_per_rank
 
-    payload = cloudpickle.dumps((fn, args, list(warnings.filters)))
+
+def _start_ranks(settings: tuple, payload: bytes, files: list[dict[str, str]],
+                 procs: list, conns: list) -> None:
+    """Start one process per rank, appending each to ``procs`` and its end of a pipe
+    to ``conns`` as soon as it runs (the caller stops them whatever happens)."""
+    world_size, port, backend, device, start_method, timeout_s, threads = settings
     ctx = _context()
-    # The rendezvous store listens in this process on a port the OS picks: no races
-    # for ports.
-    store = dist.TCPStore(_HOST, 0, world_size + 1, True, timedelta(seconds=timeout),
-                          wait_for_workers=False)
-    tmpdir = tempfile.TemporaryDirectory(prefix="run_distributed_")
     me = psutil.Process()
     parent = (me.pid, me.create_time())
-    procs, conns = [], []
-    files = [{kind: os.path.join(tmpdir.name, f"{kind}{rank}")
-              for kind in ("stack", "ready", "output")}
-             for rank in range(world_size)]
+    for rank in range(world_size):
+        parent_end, child_end = ctx.Pipe(duplex=True)
+        proc = ctx.Process(
+            target=_rank_main,
+            args=(rank, world_size, port, backend, device, start_method, timeout_s,
+                  threads, list(sys.path), dict(os.environ), payload, child_end,
+                  files[rank], parent),
+            name=f"rank{rank}",
+            daemon=False,  # a rank must be able to start DataLoader workers
+        )
+        proc.start()
+        child_end.close()
+        procs.append(proc)
+        conns.append(parent_end)
+
+
+def _collect_results(procs, conns, files, timeout: float) -> list[Any]:
+    """Each rank's result, in rank order, as the ranks finish; raise at the first
+    failure, or at the timeout with the stacks of the ranks still running."""
+    world_size = len(procs)
     results: list[Any] = [None] * world_size
     pending = set(range(world_size))
-    try:
-        for rank in range(world_size):
-            parent_end, child_end = ctx.Pipe(duplex=True)
-            proc = ctx.Process(
-                target=_rank_main,
-                args=(rank, world_size, store.port, backend, device,
-                      mp.get_start_method(), float(timeout), threads_per_rank,
-                      list(sys.path), dict(os.environ), payload, child_end, files[rank],
-                      parent),
-                name=f"rank{rank}",
-                daemon=False,  # a rank must be able to start DataLoader workers
-            )
-            proc.start()
-            child_end.close()
-            procs.append(proc)
-            conns.append(parent_end)
-
-        deadline = time.monotonic() + timeout
-        while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                stacks = {r: _read_stack(procs[r], files[r]) for r in sorted(pending)}
-                raise RankTimeoutError(timeout, sorted(pending),
-                                       sorted(set(range(world_size)) - pending), stacks)
-            watch = {conns[r]: r for r in pending}
-            watch.update({procs[r].sentinel: r for r in pending})
-            for ready in wait(list(watch), timeout=remaining):
-                rank = watch[ready]
-                if rank not in pending:
-                    continue
-                message = None
-                if conns[rank].poll():
-                    with contextlib.suppress(EOFError):
-                        message = cloudpickle.loads(conns[rank].recv_bytes())
-                if message is None:
-                    procs[rank].join(1.0)
-                    raise RankError(rank, "ProcessExit",
-                                    f"the process exited with code "
-                                    f"{procs[rank].exitcode} before returning a result",
-                                    "(no Python traceback: the process died)")
-                if message[0] == "error":
-                    _, exc_type, text, tb = message
-                    raise RankError(rank, exc_type, text, tb)
-                results[rank] = message[1]
-                pending.discard(rank)
-        for conn in conns:  # every rank is done: let them tear down the process group
-            with contextlib.suppress(OSError):
-                conn.send_bytes(b"done")
-        # one shared deadline, whatever the number of ranks
-        shutdown = time.monotonic() + 5.0
-        for proc in procs:
-            proc.join(max(0.0, shutdown - time.monotonic()))
-    finally:
-        for proc in procs:
-            _kill_rank(proc)
-        for proc in procs:
-            proc.join(5.0)
-        for conn in conns:
-            conn.close()
-        if show_output:
-            # also when a rank failed or hung: its prints help most then
-            _print_outputs(files)
-        tmpdir.cleanup()
+    deadline = time.monotonic() + timeout
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            stacks = {r: _read_stack(procs[r], files[r]) for r in sorted(pending)}
+            raise RankTimeoutError(timeout, sorted(pending),
+                                   sorted(set(range(world_size)) - pending), stacks)
+        watch = {conns[r]: r for r in pending}
+        watch.update({procs[r].sentinel: r for r in pending})
+        for ready in wait(list(watch), timeout=remaining):
+            rank = watch[ready]
+            if rank not in pending:
+                continue
+            results[rank] = _receive_result(rank, procs[rank], conns[rank])
+            pending.discard(rank)
     return results
+
+
+def _receive_result(rank: int, proc, conn) -> Any:
+    """What a rank that is done sent back; a :class:`RankError` if it failed or died
+    without a word."""
+    message = None
+    if conn.poll():
+        with contextlib.suppress(EOFError):
+            message = cloudpickle.loads(conn.recv_bytes())
+    if message is None:
+        proc.join(1.0)
+        raise RankError(rank, "ProcessExit",
+                        f"the process exited with code "
+                        f"{proc.exitcode} before returning a result",
+                        "(no Python traceback: the process died)")
+    if message[0] == "error":
+        _, exc_type, text, tb = message
+        raise RankError(rank, exc_type, text, tb)
+    return message[1]
+
+
+def _release_ranks(procs, conns) -> None:
+    """Every rank is done: let them tear down the process group and exit."""
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.send_bytes(b"done")
+    # one shared deadline, whatever the number of ranks
+    shutdown = time.monotonic() + 5.0
+    for proc in procs:
+        proc.join(max(0.0, shutdown - time.monotonic()))
+
+
+def _stop_ranks(procs, conns) -> None:
+    """Kill every rank's process group (the rank and its DataLoader workers) and
+    close the pipes."""
+    for proc in procs:
+        _kill_rank(proc)
+    for proc in procs:
+        proc.join(5.0)
+    for conn in conns:
+        conn.close()

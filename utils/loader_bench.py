@@ -437,53 +437,79 @@ def run_loader_bench(root: str | None = None, quick: bool = False, device=None,
 
 
 def _measure(pil_set, device, settings, stages, log) -> dict:
-    cuda = device.type == "cuda"
-    cores = os.cpu_count() or 1
-    workers, batch_size = settings["workers"], settings["batch_size"]
-    max_w = max(workers)
-    g = torch.Generator().manual_seed(0)
-    tensor_set = UInt8Images(pil_set.data, pil_set.targets)
-    cases, skipped = [], []
+    """Build every configuration, time them in interleaved rounds, and report: the
+    results, the targets, the floors and (with ``stages``) the per-sample stages."""
+    g = torch.Generator().manual_seed(0)  # the sample order of every DataLoader
     # the main process's few tensor operations per sample are too small for intra-op
     # threads: on the CPU it runs with one thread, as the workers do
-    main_threads = torch.get_num_threads() if cuda else 1
+    main_threads = torch.get_num_threads() if device.type == "cuda" else 1
+    cases, skipped = _pil_cases(pil_set, device, settings, g, main_threads)
+    cases += _tensor_aug_cases(pil_set, device, settings, g, main_threads)
+    cases += _resident_cases(pil_set, device, settings["batch_size"])
+    if device.type == "cuda":
+        cases += _cuda_cases(pil_set, device, settings["batch_size"],
+                             settings["pass_images"])
+    results = _time_cases(cases, settings["warmup"], settings["repeats"], log)
+    del cases  # persistent workers end with their loaders
+    return _report(results, skipped, settings, pil_set, device, stages)
 
-    def loader(dataset, **kwargs):
-        sampler = RandomSampler(range(len(dataset)),
-                                num_samples=settings["pass_images"], generator=g)
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler,
-                          drop_last=True, **kwargs)
 
-    def to_device(batch, epoch, non_blocking=False):
-        if cuda:
-            for t in batch:
-                t.to(device, non_blocking=non_blocking)
+def _sampled_loader(dataset, settings: dict, generator: torch.Generator,
+                    **kwargs) -> DataLoader:
+    """A DataLoader over ``pass_images`` random samples of ``dataset``, in full
+    batches."""
+    sampler = RandomSampler(range(len(dataset)), num_samples=settings["pass_images"],
+                            generator=generator)
+    return DataLoader(dataset, batch_size=settings["batch_size"], sampler=sampler,
+                      drop_last=True, **kwargs)
 
-    # the PIL pipeline through a DataLoader
-    pil_configs = [(w, w > 0, 2 if w > 0 else None, False) for w in workers]
-    pil_configs += [(w, False, 2, False) for w in workers if w > 0]
-    pil_configs += [(max_w, True, p, False) for p in settings["prefetch_factors"]
-                    if p != 2 and max_w > 0]
-    if cuda:
-        pil_configs += [(w, w > 0, 2 if w > 0 else None, True) for w in workers]
+
+def _to_device(batch, epoch, device: torch.device, non_blocking: bool = False) -> None:
+    """Copy a batch's tensors to the GPU (nothing to do on the CPU)."""
+    if device.type == "cuda":
+        for t in batch:
+            t.to(device, non_blocking=non_blocking)
+
+
+def _pil_cases(pil_set, device, settings, g, main_threads) -> tuple[list, list]:
+    """``(cases, skipped)``: the PIL pipeline through a DataLoader, over the worker
+    counts, with and without persistent workers, several prefetch factors, and pinned
+    memory where there is CUDA."""
+    workers, batch_size = settings["workers"], settings["batch_size"]
+    max_w = max(workers)
+    configs = [(w, w > 0, 2 if w > 0 else None, False) for w in workers]
+    configs += [(w, False, 2, False) for w in workers if w > 0]
+    configs += [(max_w, True, p, False) for p in settings["prefetch_factors"]
+                if p != 2 and max_w > 0]
+    skipped = []
+    if device.type == "cuda":
+        configs += [(w, w > 0, 2 if w > 0 else None, True) for w in workers]
     else:
         skipped.append({"method": "pil_dataloader", "pin_memory": True,
                         "reason": "no CUDA device: pinned memory only speeds up "
                                   "copies to a GPU, and torch ignores pin_memory=True "
                                   "(with a warning) when there is none"})
-    for w, persistent, prefetch, pin in pil_configs:
+    cases = []
+    for w, persistent, prefetch, pin in configs:
         kwargs = dict(num_workers=w, pin_memory=pin, persistent_workers=persistent)
         if w > 0:
             kwargs["prefetch_factor"] = prefetch
-        batches = loader(pil_set, **kwargs)
+        batches = _sampled_loader(pil_set, settings, g, **kwargs)
         info = {"method": "pil_dataloader", "device": device.type, "num_workers": w,
                 "batch_size": batch_size, "pin_memory": pin,
                 "persistent_workers": persistent, "prefetch_factor": prefetch}
-        consume = functools.partial(to_device, non_blocking=pin)
+        consume = functools.partial(_to_device, device=device, non_blocking=pin)
         cases.append(_Case(info, _pass(lambda epoch, b=batches: b, consume),
                            main_threads, device))
+    return cases, skipped
 
-    # the same augmentation as whole-batch tensor operations after a uint8 DataLoader
+
+def _tensor_aug_cases(pil_set, device, settings, g, main_threads) -> list:
+    """The same augmentation as whole-batch tensor operations after a uint8
+    DataLoader."""
+    cuda = device.type == "cuda"
+    tensor_set = UInt8Images(pil_set.data, pil_set.targets)
+
     def augment_after(batch, epoch):
         images, _, indices = batch
         if cuda:
@@ -491,20 +517,27 @@ def _measure(pil_set, device, settings, stages, log) -> dict:
             indices = indices.to(device, non_blocking=True)
         augment_loaded_batch(images, indices, 0, epoch)
 
-    for w in workers:
-        batches = loader(tensor_set, num_workers=w, pin_memory=cuda,
-                         persistent_workers=w > 0)
+    cases = []
+    for w in settings["workers"]:
+        batches = _sampled_loader(tensor_set, settings, g, num_workers=w,
+                                  pin_memory=cuda, persistent_workers=w > 0)
         info = {"method": "tensor_aug_dataloader", "device": device.type,
-                "num_workers": w, "batch_size": batch_size, "pin_memory": cuda,
-                "persistent_workers": w > 0, "prefetch_factor": 2 if w > 0 else None}
+                "num_workers": w, "batch_size": settings["batch_size"],
+                "pin_memory": cuda, "persistent_workers": w > 0,
+                "prefetch_factor": 2 if w > 0 else None}
         cases.append(_Case(info, _pass(lambda epoch, b=batches: b, augment_after),
                            main_threads, device))
+    return cases
 
-    # the whole data set resident as one uint8 tensor (utils.gpu_loader.GPULoader):
-    # on the CPU, and on the GPU
+
+def _resident_cases(pil_set, device, batch_size) -> list:
+    """The whole data set resident as one uint8 tensor (``utils.gpu_loader.GPULoader``):
+    on the CPU with one thread and with every core, and on the GPU."""
+    cores = os.cpu_count() or 1
     resident = [("cpu", 1)] + ([("cpu", cores)] if cores > 1 else [])
-    if cuda:
+    if device.type == "cuda":
         resident.append(("cuda", torch.get_num_threads()))
+    cases = []
     for where, threads in resident:
         resident_loader = GPULoader(pil_set.data, pil_set.targets, batch_size,
                                     num_replicas=1, rank=0, drop_last_batch=True,
@@ -519,11 +552,12 @@ def _measure(pil_set, device, settings, stages, log) -> dict:
                 "epoch_images": len(resident_loader) * batch_size}
         cases.append(_Case(info, _pass(epoch_batches, _nothing), threads,
                            torch.device(where)))
+    return cases
 
-    if cuda:
-        cases += _cuda_cases(pil_set, device, batch_size, settings["pass_images"])
 
-    warmup, repeats = settings["warmup"], settings["repeats"]
+def _time_cases(cases: list, warmup: int, repeats: int, log) -> list[dict]:
+    """Warm every case up, then time each once per round, ``repeats`` rounds; each
+    case's result."""
     log(f"{len(cases)} configurations, {warmup} warm-up and {repeats} timed "
         f"passes each, interleaved")
     for case in cases:
@@ -533,9 +567,13 @@ def _measure(pil_set, device, settings, stages, log) -> dict:
         for case in cases:
             case.timed()
         log(f"round {r + 1} of {repeats} done")
-    results = [c.result(warmup) for c in cases]
-    del cases  # persistent workers end with their loaders
+    return [c.result(warmup) for c in cases]
 
+
+def _report(results, skipped, settings, pil_set, device, stages) -> dict:
+    """The benchmark's result: every configuration against the best DataLoader, the
+    targets, the memory copy floors and (with ``stages``) the per-sample stages."""
+    cuda = device.type == "cuda"
     best = max((r for r in results if r["method"] == "pil_dataloader"),
                key=lambda r: r["images_per_s"])
     for r in results:
@@ -560,7 +598,7 @@ def _measure(pil_set, device, settings, stages, log) -> dict:
         with _threads(1):
             out["stages_us_per_sample"] = stage_times(
                 pil_set.data, samples=min(2048, settings["pass_images"]),
-                batch_size=batch_size, device=device)
+                batch_size=settings["batch_size"], device=device)
     return out
 
 

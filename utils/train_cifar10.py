@@ -44,6 +44,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -129,6 +130,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (logs only)")
     args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Stop with argparse's usage and a message on a value out of range."""
     for name in ("epochs", "global_batch", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, "
@@ -142,7 +149,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if min(args.synthetic_size) < 5:
         p.error(f"--synthetic-size needs two numbers of at least 5, "
                 f"got {args.synthetic_size}")
-    return args
 
 
 def check_gpus(local_world_size: int, device_count: int) -> None:
@@ -577,20 +583,62 @@ def evaluate(model: nn.Module, loader, device) -> float:
     return correct / count
 
 
+# --- the run, step by step ------------------------------------------------------------
+
 def main(argv=None) -> None:
+    """The whole run, one named step after another."""
     args = parse_args(argv)
     if args.deterministic:
-        # before CUDA starts: cuBLAS needs it
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        # warn_only: an op with no deterministic CUDA kernel warns (and names itself)
-        # instead of stopping
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.benchmark = False
+        use_deterministic_algorithms()
+    job = set_up_job(args)
+    data = build_data(args, job)
+    model, optimizer, scheduler = build_model(args, data.steps_per_epoch)
+    training = resume_or_start(args, job, data, model, optimizer, scheduler)
+    model = wrap_model(args, job, training)
+    metrics = start_log(args, job, data)
+    train(args, job, data, training, model, metrics)
+    finish(args, job, training, metrics)
 
-    # --- distributed set-up ---
+
+def use_deterministic_algorithms() -> None:
+    """``--deterministic``: kernels that give the same bits every run."""
+    # before CUDA starts: cuBLAS needs it
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # warn_only: an op with no deterministic CUDA kernel warns (and names itself)
+    # instead of stopping
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+
+
+@dataclass
+class Job:
+    """This process's place in the run (``setup_distributed``'s answer), and what
+    follows from it."""
+    ddp: bool
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    batch_size: int  # this process's share of --global-batch
+    channels_last: bool
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0  # rank 0 alone logs and saves
+
+    @property
+    def memory_format(self) -> torch.memory_format:
+        return torch.channels_last if self.channels_last else torch.contiguous_format
+
+
+def set_up_job(args) -> Job:
+    """The process group and the device, then the checks that need them."""
     ddp, rank, local_rank, world_size, device = setup_distributed(args.device)
     cuda = device.type == "cuda"
-    master = rank == 0  # rank 0 alone logs and saves
     if (args.amp or args.sync_bn) and not cuda:
         raise SystemExit("error: --amp and --sync-bn need CUDA; this run is on the CPU")
     if args.compile:
@@ -598,193 +646,303 @@ def main(argv=None) -> None:
     batch_size = per_process_batch(args.global_batch, world_size)
     channels_last = args.channels_last == "yes" or (args.channels_last == "auto"
                                                     and cuda)
-    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    return Job(ddp, rank, local_rank, world_size, device, batch_size, channels_last)
 
-    # --- data: prepared once per node; every process reads its own copy ---
-    prepare_data(args, local_rank, ddp)
+
+@dataclass
+class Data:
+    """The data sets and their loaders."""
+    train_set: KeyedAugment
+    test_set: KeyedAugment
+    synthetic: bool
+    steps_per_epoch: int
+    loader: str  # "gpu" or "workers"
+    why: str  # why that loader (choose_loader)
+    train_loader: GPULoader | DataLoader
+    sampler: EpochSampler | None  # the workers loader's
+    test_loader: DataLoader
+
+    def set_epoch(self, epoch: int, step_in_epoch: int, batch_size: int) -> None:
+        """Start the training loader at step ``step_in_epoch`` of ``epoch``."""
+        if self.loader == "gpu":
+            self.train_loader.set_epoch(epoch, start_batch=step_in_epoch)
+        else:
+            self.sampler.set_epoch(epoch, start=step_in_epoch * batch_size,
+                                   stop=self.steps_per_epoch * batch_size)
+
+
+def build_data(args, job: Job) -> Data:
+    """The data sets, the training loader (``--loader``) and the test loader."""
+    # prepared once per node; every process reads its own copy
+    prepare_data(args, job.local_rank, job.ddp)
     synthetic = is_synthetic_cifar10(args.data)
     train_set = KeyedAugment(load_cifar10(args.data, train=True), args.seed, train=True)
     test_set = KeyedAugment(load_cifar10(args.data, train=False), args.seed,
                             train=False)
-    check_same_data(train_set, test_set, synthetic, ddp)
+    check_same_data(train_set, test_set, synthetic, job.ddp)
     # whole global batches: the same on any world size
     steps_per_epoch = len(train_set) // args.global_batch
     if steps_per_epoch == 0:
         raise SystemExit(f"error: {len(train_set)} training images is less than one "
                          f"global batch of {args.global_batch}")
-    loader, why = choose_loader(args.loader, device, resident_bytes(train_set.data),
-                                agreed_free_memory(device, ddp))
-    loader_kwargs = dict(num_workers=args.workers, pin_memory=cuda,
+    loader, why = choose_loader(args.loader, job.device, resident_bytes(train_set.data),
+                                agreed_free_memory(job.device, job.ddp))
+    loader_kwargs = dict(num_workers=args.workers, pin_memory=job.cuda,
                          persistent_workers=args.workers > 0)
-    if loader == "gpu":
-        # ShardSampler's order cut to whole global batches, as EpochSampler's
-        train_loader = GPULoader(train_set.data, train_set.targets, batch_size,
-                                 num_replicas=world_size, rank=rank, seed=args.seed,
-                                 drop_last=True, drop_last_batch=True,
-                                 channels_last=channels_last, device=device)
-    else:
-        sampler = EpochSampler(train_set, world_size, rank, shuffle=True,
-                               seed=args.seed)
-        train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler,
-                                  drop_last=True, **loader_kwargs)
+    train_loader, sampler = make_train_loader(args, job, train_set, loader,
+                                              loader_kwargs)
     test_loader = DataLoader(test_set, batch_size=512,
-                             sampler=EvalShardSampler(test_set, world_size, rank),
+                             sampler=EvalShardSampler(test_set, job.world_size,
+                                                      job.rank),
                              **{**loader_kwargs,
                                 "num_workers": eval_workers(args.workers)})
+    return Data(train_set, test_set, synthetic, steps_per_epoch, loader, why,
+                train_loader, sampler, test_loader)
 
-    # --- model, optimizer, schedule; then the checkpoint, if any, before the DDP wrap
+
+def make_train_loader(args, job: Job, train_set: KeyedAugment, loader: str,
+                      loader_kwargs: dict) -> tuple[GPULoader | DataLoader,
+                                                    EpochSampler | None]:
+    """``(train_loader, sampler)``: the GPU loader (no sampler), or a DataLoader
+    over an ``EpochSampler``."""
+    if loader == "gpu":
+        # ShardSampler's order cut to whole global batches, as EpochSampler's
+        return GPULoader(train_set.data, train_set.targets, job.batch_size,
+                         num_replicas=job.world_size, rank=job.rank, seed=args.seed,
+                         drop_last=True, drop_last_batch=True,
+                         channels_last=job.channels_last, device=job.device), None
+    sampler = EpochSampler(train_set, job.world_size, job.rank, shuffle=True,
+                           seed=args.seed)
+    return DataLoader(train_set, batch_size=job.batch_size, sampler=sampler,
+                      drop_last=True, **loader_kwargs), sampler
+
+
+def build_model(args, steps_per_epoch: int):
+    """``(model, optimizer, scheduler)``, the same initial weights on every rank."""
     torch.manual_seed(args.seed)  # one seed where ranks must agree: the initial weights
     model = make_model(args.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay, nesterov=True)
     scheduler = one_cycle(optimizer, args.lr, args.epochs * steps_per_epoch)
+    return model, optimizer, scheduler
+
+
+@dataclass
+class Training:
+    """What a checkpoint holds: the unwrapped model, the optimizer, the schedule and
+    where the run stands; and where the checkpoint goes."""
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    path: str
+    config: dict  # run_config: what a resumed run must repeat
+    epoch: int = 0
+    step_in_epoch: int = 0
+    step: int = 0  # over all epochs
+
+
+def resume_or_start(args, job: Job, data: Data, model: nn.Module, optimizer,
+                    scheduler) -> Training:
+    """The checkpoint rank 0 found (with ``--resume``), loaded before the DDP wrap;
+    else step 0. The model ends on the device."""
     os.makedirs(args.out, exist_ok=True)
-    ckpt_path = os.path.join(args.out, CHECKPOINT)
-    config = run_config(args, len(train_set), loader)
-    epoch, step_in_epoch, step = 0, 0, 0
-    state = agree_on_resume(ckpt_path, config, rank, ddp) if args.resume else None
-    if args.resume and state is None and master:
-        print(f"--resume: rank 0 found no checkpoint at {ckpt_path}; "
+    training = Training(model, optimizer, scheduler,
+                        os.path.join(args.out, CHECKPOINT),
+                        run_config(args, len(data.train_set), data.loader))
+    state = (agree_on_resume(training.path, training.config, job.rank, job.ddp)
+             if args.resume else None)
+    if args.resume and state is None and job.master:
+        print(f"--resume: rank 0 found no checkpoint at {training.path}; "
               f"starting from step 0", flush=True)
     if state is not None:
         model.load_state_dict(state["model"])
-        epoch, step_in_epoch, step = (state["epoch"], state["step_in_epoch"],
-                                      state["step"])
-    model = model.to(device, memory_format=memory_format)
+        training.epoch, training.step_in_epoch, training.step = (
+            state["epoch"], state["step_in_epoch"], state["step"])
+    training.model = model.to(job.device, memory_format=job.memory_format)
     if state is not None:
         # after .to(device): moves its buffers there too
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        if master:
-            print(f"resumed from {ckpt_path}: epoch {epoch}, step {step_in_epoch} "
-                  f"of the epoch ({step} in all)", flush=True)
+        if job.master:
+            print(f"resumed from {training.path}: epoch {training.epoch}, step "
+                  f"{training.step_in_epoch} of the epoch ({training.step} in all)",
+                  flush=True)
+    return training
+
+
+def wrap_model(args, job: Job, training: Training) -> nn.Module:
+    """SyncBatchNorm, DDP and ``torch.compile`` as asked: the model the steps run.
+    ``training.model`` stays the unwrapped one, which is evaluated and saved."""
     if args.sync_bn:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    raw_model = model
-    if ddp:
+        training.model = nn.SyncBatchNorm.convert_sync_batchnorm(training.model)
+    model = training.model
+    if job.ddp:
         # DDP regroups gradients into new buckets after its first step, so a restarted
         # process's first step would sum them over 3 or more ranks in another order than
         # the uninterrupted run did, and differ in the last bits. DDP does not regroup
         # when it looks for unused parameters: --deterministic pays that (a graph
         # traversal per step) for exact restarts.
         fixed_buckets = {"find_unused_parameters": True} if args.deterministic else {}
-        model = DDP(model, device_ids=[local_rank] if cuda else None, **fixed_buckets)
+        model = DDP(model, device_ids=[job.local_rank] if job.cuda else None,
+                    **fixed_buckets)
     if args.compile:
         model = torch.compile(model)  # after the DDP wrap: compiled per bucket
+    return model
 
-    def checkpoint():
-        if master:
-            save_checkpoint(ckpt_path, {
-                "format": FORMAT, "model": raw_model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "epoch": epoch,
-                "step_in_epoch": step_in_epoch, "step": step,
-                "world_size": world_size, "config": config})
-        if ddp:
-            # nobody runs ahead of a checkpoint that may be needed to restart them
-            dist.barrier()
 
-    metrics = (open(os.path.join(args.out, "metrics.jsonl"),
-                    "a" if args.resume else "w")
-               if master else None)
-    if master:
-        print(f"{'synthetic' if synthetic else 'real'} CIFAR-10 in {args.data}: "
-              f"{len(train_set)} train, "
-              f"{len(test_set)} test images; {world_size} process(es), {device.type}, "
-              f"{dist.get_backend() if ddp else 'no process group'}; "
-              f"global batch {args.global_batch} = {batch_size} x {world_size}",
-              flush=True)
-        print(f"loader: {loader} ({why}); "
-              f"channels_last: {'yes' if channels_last else 'no'}; "
-              f"compile: {'yes' if args.compile else 'no'}", flush=True)
+def save(training: Training, job: Job) -> None:
+    """Rank 0 writes the checkpoint; every rank waits for it."""
+    if job.master:
+        save_checkpoint(training.path, {
+            "format": FORMAT, "model": training.model.state_dict(),
+            "optimizer": training.optimizer.state_dict(),
+            "scheduler": training.scheduler.state_dict(), "epoch": training.epoch,
+            "step_in_epoch": training.step_in_epoch, "step": training.step,
+            "world_size": job.world_size, "config": training.config})
+    if job.ddp:
+        # nobody runs ahead of a checkpoint that may be needed to restart them
+        dist.barrier()
+
+
+def start_log(args, job: Job, data: Data):
+    """Rank 0 opens ``metrics.jsonl`` and says what runs where; others get ``None``."""
+    if not job.master:
+        return None
+    metrics = open(os.path.join(args.out, "metrics.jsonl"), "a" if args.resume else "w")
+    print(f"{'synthetic' if data.synthetic else 'real'} CIFAR-10 in {args.data}: "
+          f"{len(data.train_set)} train, "
+          f"{len(data.test_set)} test images; {job.world_size} process(es), "
+          f"{job.device.type}, "
+          f"{dist.get_backend() if job.ddp else 'no process group'}; "
+          f"global batch {args.global_batch} = {job.batch_size} x {job.world_size}",
+          flush=True)
+    print(f"loader: {data.loader} ({data.why}); "
+          f"channels_last: {'yes' if job.channels_last else 'no'}; "
+          f"compile: {'yes' if args.compile else 'no'}", flush=True)
+    return metrics
+
+
+def train(args, job: Job, data: Data, training: Training, model: nn.Module,
+          metrics) -> None:
+    """Epochs until ``--epochs``, or until ``--stop-at-step``."""
     restarts = int(os.environ.get("TRAIN_CIFAR10_ATTEMPT", 0))
-
-    # --- the loop ---
-    while epoch < args.epochs:
-        if loader == "gpu":
-            train_loader.set_epoch(epoch, start_batch=step_in_epoch)
-        else:
-            sampler.set_epoch(epoch, start=step_in_epoch * batch_size,
-                              stop=steps_per_epoch * batch_size)
-        bar = None
-        if master and not args.no_progress:
-            from tqdm import tqdm
-            bar = tqdm(total=steps_per_epoch, initial=step_in_epoch,
-                       desc=f"epoch {epoch}", unit="step", file=sys.stdout,
-                       mininterval=1.0)
-        t0, seen, steps_run = time.perf_counter(), 0, 0
-        # summed on the device (float64: the same sum as in Python floats); reading it
-        # would make the host wait for the GPU, so it is read every --log-every steps
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        logged = (0.0, 0)  # the sum and the number of steps when last read
-        for x, y in train_loader:
-            if (step + 1 == args.fail_at_step and rank == world_size - 1
-                    and restarts == 0):
-                # a crash during this step, for the fault-tolerance test: no cleanup
-                os._exit(1)
-            # a seed per rank and step where ranks must differ (dropout, if a model had
-            # it), also after a resume
-            seed_everything(derive_seed(args.seed, step), rank)
-            # no-ops for the GPU loader's batches, already there in this format
-            x = x.to(device, non_blocking=True, memory_format=memory_format)
-            y = y.to(device, non_blocking=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
-                loss = F.cross_entropy(model(x), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            step, step_in_epoch, steps_run = step + 1, step_in_epoch + 1, steps_run + 1
-            seen += len(x) * world_size
-            loss_sum += loss.detach()
-            if bar is not None:
-                if (steps_run % args.log_every == 0
-                        or step_in_epoch == steps_per_epoch):
-                    total = float(loss_sum)  # waits for the GPU: every N steps only
-                    bar.set_postfix(
-                        loss=f"{(total - logged[0]) / (steps_run - logged[1]):.3f}",
-                        img_s=f"{seen / (time.perf_counter() - t0):.0f}")
-                    logged = (total, steps_run)
-                bar.update(1)
-            if (args.checkpoint_every and step % args.checkpoint_every == 0
-                    and step_in_epoch < steps_per_epoch):
-                checkpoint()
-            if step == args.stop_at_step:
-                break
-        if bar is not None:
-            bar.close()
-        if step == args.stop_at_step and step_in_epoch < steps_per_epoch:
+    while training.epoch < args.epochs:
+        data.set_epoch(training.epoch, training.step_in_epoch, job.batch_size)
+        totals = train_epoch(args, job, data, training, model, restarts)
+        if totals is None:
             # stopped mid-epoch, as a job whose time ran out: save where it stands
-            checkpoint()
+            save(training, job)
             break
-        local_loss = float(loss_sum)  # waits for the epoch's last step: then time it
-        elapsed = time.perf_counter() - t0
-        train_loss = sum_over_ranks(local_loss, max(steps_run, 1))
-        accuracy = evaluate(raw_model, test_loader, device)
-        epoch, step_in_epoch = epoch + 1, 0
-        checkpoint()
-        if master:
-            record = {"epoch": epoch, "step": step,
-                      "train_loss": round(train_loss[0] / train_loss[1], 4),
-                      "test_accuracy": round(accuracy, 4),
-                      "images_per_s": round(seen / elapsed, 1),
-                      "epoch_seconds": round(elapsed, 2), "world_size": world_size,
-                      "data": "synthetic" if synthetic else "cifar10",
-                      "model": args.model, "device": device.type,
-                      "loader": loader}
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-            print(json.dumps(record), flush=True)
-        if step == args.stop_at_step:
+        end_epoch(args, job, data, training, metrics, *totals)
+        if training.step == args.stop_at_step:
             break
 
-    if master:
+
+def train_epoch(args, job: Job, data: Data, training: Training, model: nn.Module,
+                restarts: int) -> tuple[float, int, int, float] | None:
+    """The rest of this epoch: ``(loss sum, steps, images, seconds)`` on this rank,
+    or ``None`` if ``--stop-at-step`` stopped it mid-epoch."""
+    bar = progress_bar(args, job, data, training)
+    t0, seen, steps_run = time.perf_counter(), 0, 0
+    # summed on the device (float64: the same sum as in Python floats); reading it
+    # would make the host wait for the GPU, so it is read every --log-every steps
+    loss_sum = torch.zeros((), dtype=torch.float64, device=job.device)
+    logged = (0.0, 0)  # the sum and the number of steps when last read
+    for x, y in data.train_loader:
+        if (training.step + 1 == args.fail_at_step and job.rank == job.world_size - 1
+                and restarts == 0):
+            # a crash during this step, for the fault-tolerance test: no cleanup
+            os._exit(1)
+        loss = train_step(args, job, training, model, x, y)
+        training.step, training.step_in_epoch = (training.step + 1,
+                                                 training.step_in_epoch + 1)
+        steps_run += 1
+        seen += len(x) * job.world_size
+        loss_sum += loss.detach()
+        if bar is not None:
+            if (steps_run % args.log_every == 0
+                    or training.step_in_epoch == data.steps_per_epoch):
+                total = float(loss_sum)  # waits for the GPU: every N steps only
+                bar.set_postfix(
+                    loss=f"{(total - logged[0]) / (steps_run - logged[1]):.3f}",
+                    img_s=f"{seen / (time.perf_counter() - t0):.0f}")
+                logged = (total, steps_run)
+            bar.update(1)
+        if (args.checkpoint_every and training.step % args.checkpoint_every == 0
+                and training.step_in_epoch < data.steps_per_epoch):
+            save(training, job)
+        if training.step == args.stop_at_step:
+            break
+    if bar is not None:
+        bar.close()
+    if (training.step == args.stop_at_step
+            and training.step_in_epoch < data.steps_per_epoch):
+        return None
+    local_loss = float(loss_sum)  # waits for the epoch's last step: then time it
+    return local_loss, steps_run, seen, time.perf_counter() - t0
+
+
+def progress_bar(args, job: Job, data: Data, training: Training):
+    """Rank 0's progress bar for this epoch (``None`` elsewhere or with
+    ``--no-progress``)."""
+    if not job.master or args.no_progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=data.steps_per_epoch, initial=training.step_in_epoch,
+                desc=f"epoch {training.epoch}", unit="step", file=sys.stdout,
+                mininterval=1.0)
+
+
+def train_step(args, job: Job, training: Training, model: nn.Module, x, y):
+    """One optimizer step on this rank's batch; returns its loss (on the device)."""
+    # a seed per rank and step where ranks must differ (dropout, if a model had it),
+    # also after a resume
+    seed_everything(derive_seed(args.seed, training.step), job.rank)
+    # no-ops for the GPU loader's batches, already there in this format
+    x = x.to(job.device, non_blocking=True, memory_format=job.memory_format)
+    y = y.to(job.device, non_blocking=True)
+    with torch.autocast(job.device.type, dtype=torch.bfloat16, enabled=args.amp):
+        loss = F.cross_entropy(model(x), y)
+    training.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    training.optimizer.step()
+    training.scheduler.step()
+    return loss
+
+
+def end_epoch(args, job: Job, data: Data, training: Training, metrics,
+              local_loss: float, steps_run: int, seen: int, elapsed: float) -> None:
+    """Test accuracy, a checkpoint at the epoch's end, and rank 0's metrics line."""
+    train_loss = sum_over_ranks(local_loss, max(steps_run, 1))
+    accuracy = evaluate(training.model, data.test_loader, job.device)
+    training.epoch, training.step_in_epoch = training.epoch + 1, 0
+    save(training, job)
+    if job.master:
+        record = {"epoch": training.epoch, "step": training.step,
+                  "train_loss": round(train_loss[0] / train_loss[1], 4),
+                  "test_accuracy": round(accuracy, 4),
+                  "images_per_s": round(seen / elapsed, 1),
+                  "epoch_seconds": round(elapsed, 2), "world_size": job.world_size,
+                  "data": "synthetic" if data.synthetic else "cifar10",
+                  "model": args.model, "device": job.device.type,
+                  "loader": data.loader}
+        metrics.write(json.dumps(record) + "\n")
+        metrics.flush()
+        print(json.dumps(record), flush=True)
+
+
+def finish(args, job: Job, training: Training, metrics) -> None:
+    """Rank 0 closes the log and, if every epoch ran, saves the final weights; the
+    process group ends."""
+    if job.master:
         metrics.close()
-        if epoch == args.epochs:
+        if training.epoch == args.epochs:
             # loads anywhere, GPU or not, in the default memory format
-            final = {k: v.cpu().contiguous() for k, v in raw_model.state_dict().items()}
+            final = {k: v.cpu().contiguous()
+                     for k, v in training.model.state_dict().items()}
             torch.save(final, os.path.join(args.out, "model_final.pt"))
-    if ddp:
+    if job.ddp:
         dist.destroy_process_group()
 
 
