@@ -358,9 +358,34 @@ def _collect_results(procs, conns, files, timeout: float) -> list[Any]:
             rank = watch[ready]
             if rank not in pending:
                 continue
-            results[rank] = _receive_result(rank, procs[rank], conns[rank])
+            try:
+                results[rank] = _receive_result(rank, procs[rank], conns[rank])
+            except RankError as err:
+                raise _first_cause(err, procs, conns, pending - {rank}) from None
             pending.discard(rank)
     return results
+
+
+def _first_cause(err: RankError, procs, conns, others, grace: float = 1.0) -> RankError:
+    """The error to report: a rank that died without a word, if one did, else ``err``.
+
+    A rank that dies (``os._exit``, a signal, a crash in C) closes its sockets, and the
+    ranks waiting for it in a collective fail with a reset connection. Which of the two
+    reaches the parent first is a race; the death is the cause, so it is preferred.
+    """
+    if err.exc_type == "ProcessExit":
+        return err
+    deadline = time.monotonic() + grace
+    for other in sorted(others):
+        procs[other].join(max(0.0, deadline - time.monotonic()))
+        if procs[other].exitcode is None:
+            continue
+        try:
+            _receive_result(other, procs[other], conns[other])
+        except RankError as died:
+            if died.exc_type == "ProcessExit":
+                return died
+    return err
 
 
 def _receive_result(rank: int, proc, conn) -> Any:
