@@ -26,8 +26,8 @@ IDEAS = {
     "torchrun": (r"torchrun|torch\.distributed\.run\b", "torchrun", "00_the_picture"),
     "run_distributed": (r"\brun_distributed\b", "run_distributed", "00_the_picture"),
     "DistributedSampler": (r"\bDistributedSampler\b", "DistributedSampler",
-                           "01_samplers"),
-    "set_epoch": (r"\bset_epoch\(", "set_epoch", "02_distributed_sampler"),
+                           "00_the_picture"),
+    "set_epoch": (r"\bset_epoch\(", "set_epoch", "00_the_picture"),
     "worker_init_fn": (r"\bworker_init_fn\b", "worker_init_fn", "05_workers"),
     "no_sync": (r"\bno_sync\b", "no_sync", "10_ddp_from_scratch"),
     "SyncBatchNorm": (r"\bSyncBatchNorm\b", "SyncBatchNorm", "10_ddp_from_scratch"),
@@ -36,12 +36,19 @@ IDEAS = {
 
 
 def _cells(path):
-    """The notebook's cells, import statements blanked: importing a name is not using it."""
+    """The notebook's cells, import statements blanked (importing a name is not using
+    it); a code cell that runs or shows a script of examples/ counts the script as its
+    code."""
     cells = nbformat.read(path, as_version=4).cells
     for cell in cells:
         if cell.cell_type == "code":
-            cell.source = IMPORT.sub("", cell.source)
+            scripts = sorted(set(EXAMPLE.findall(cell.source)))
+            cell.source = IMPORT.sub("", cell.source) + "".join(
+                "\n" + (ROOT / "examples" / name).read_text() for name in scripts)
     return cells
+
+
+EXAMPLE = re.compile(r"examples/(\w+\.py)")
 
 
 IMPORT = re.compile(r"^[ \t]*(?:from\s+\S+\s+)?import\s+(?:\([^)]*\)|.*)$", re.M)

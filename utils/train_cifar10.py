@@ -257,7 +257,7 @@ def one_cycle(optimizer: torch.optim.Optimizer, peak_lr: float, total_steps: int
     quarter, then down to ~0.
 
     ``--lr`` is the peak for ``--global-batch``, whatever the number of processes
-    (chapter 4). cycle_momentum=False: OneCycleLR would otherwise overwrite --momentum
+    (chapter 11). cycle_momentum=False: OneCycleLR would otherwise overwrite --momentum
     with its own 0.85-0.95 cycle.
     """
     return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=peak_lr,
