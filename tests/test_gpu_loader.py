@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from utils.gpu_loader import (CIFAR_MEAN, CIFAR_STD, GPULoader, augment_batch,
-                              augment_draws, reference_augment, resident_bytes,
-                              sample_draws)
+                              augment_draws, count_ops, reference_augment,
+                              resident_bytes, sample_draws)
 from utils.samplers import ShardSampler
 
 
@@ -72,7 +72,10 @@ def test_other_paddings_flips_and_a_non_square_layout_first_input(padding, flip)
     if padding == 0 and not flip:  # no augmentation: just the normalised images
         x = augment_batch(nhwc, torch.arange(20), 4, 2, padding=0, flip=False, **norm)
         plain = nchw.float().div(255).sub(torch.tensor(norm["mean"]).view(2, 1, 1))
-        assert torch.equal(x, plain.div(torch.tensor(norm["std"]).view(2, 1, 1)))
+        plain = plain.div(torch.tensor(norm["std"]).view(2, 1, 1))
+        # one multiply and one add, x * (1 / (255 std)) + (-mean / std): the same
+        # values as (x / 255 - mean) / std up to float32 rounding
+        assert torch.allclose(x, plain, rtol=0, atol=1e-6) and not torch.equal(x, plain)
 
 
 def test_a_batch_gathered_elsewhere_is_augmented_with_its_samples_keys():
@@ -226,9 +229,14 @@ def test_on_cuda_the_batches_equal_the_cpu_ones_without_a_host_sync():
     gpu = GPULoader(DATA, LABELS, 16, seed=1, channels_last=True, device="cuda")
     cpu.set_epoch(2)
     gpu.set_epoch(2)
+    data, index = DATA.cuda(), torch.arange(5, device="cuda")
+    augment_batch(data, index, 0, 0)  # the first call makes the constants: a copy
     torch.cuda.set_sync_debug_mode("error")
     try:
         on_gpu = [(x, y) for x, y in gpu]
+        for dtype in (torch.float32, torch.bfloat16):  # every public path, on the device
+            augment_batch(data, index, 0, 0, keys=index, dtype=dtype)
+            augment_draws(0, 0, index)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for (x, y), (gx, gy) in zip(batches(cpu), on_gpu):
@@ -288,3 +296,56 @@ def test_bad_epochs_starts_indices_and_data_are_refused_with_a_message():
         augment_batch(DATA, torch.arange(3), 0, 0, mean=(0.5,), std=(0.5,))
     with pytest.raises(TypeError, match="image must be a 3-D uint8 image"):
         reference_augment(DATA[:2], 0, 0, 0)
+
+
+# --- launches: what a batch and an epoch cost in tensor operations ---------------------
+
+def test_a_batch_costs_two_operations_and_an_epoch_a_set_up_that_does_not_grow():
+    """Counted on the CPU; on a GPU each operation is a launch (the slices none). The
+    per-batch augmentation this replaced issued 52 operations per batch."""
+    set_ups = []
+    for batches_per_epoch in (3, 12, 40):
+        n = 8 * batches_per_epoch
+        loader = GPULoader(images(n), torch.arange(n), 8, channels_last=True)
+        counts = count_ops(loader)
+        assert len(counts) == batches_per_epoch
+        assert max(counts[1:]) <= 4, counts  # the steady state: two slices
+        set_ups.append(counts[0])
+    assert len(set(set_ups)) == 1, set_ups  # the same set-up for 3 or 40 batches
+    chunked = count_ops(GPULoader(images(80), torch.arange(80), 8, chunk_batches=4))
+    assert [c > 4 for c in chunked] == [k % 4 == 0 for k in range(10)], chunked
+
+
+def test_count_ops_counts_what_it_should():
+    assert count_ops([1, 2]) == [0, 0]
+
+    def two_adds():
+        x = torch.zeros(3)
+        yield x.add(1)           # zeros + add
+        yield x.add(1).add(1)    # two adds
+    assert count_ops(two_adds()) == [2, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_amp_dtypes_are_the_float32_images_rounded(dtype):
+    full = batches(GPULoader(DATA, LABELS, 16, seed=2))
+    low = batches(GPULoader(DATA, LABELS, 16, seed=2, dtype=dtype, channels_last=True))
+    for (x, y), (lx, ly) in zip(full, low):
+        assert lx.dtype == dtype and torch.equal(y, ly)
+        assert lx.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(lx, x.to(dtype))
+
+
+def test_chunks_give_the_whole_epoch_s_batches_and_resume_exactly():
+    whole = GPULoader(DATA, LABELS, 8, seed=6)
+    chunked = GPULoader(DATA, LABELS, 8, seed=6, chunk_batches=3)
+    for loader in (whole, chunked):
+        loader.set_epoch(1, start_batch=2)
+    got, expected = batches(chunked), batches(whole)
+    assert len(got) == len(expected) == 8
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+               for a, b in zip(got, expected))
+    with pytest.raises(ValueError, match="chunk_batches"):
+        GPULoader(DATA, LABELS, 8, chunk_batches=0)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        GPULoader(DATA, LABELS, 8, dtype=torch.int8)

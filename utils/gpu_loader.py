@@ -52,12 +52,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from ._checks import check_bool, check_int, check_rank
 from .samplers import check_labels, check_seed_and_epoch, shard_indices
 from .seeding import derive_seed
 
 __all__ = ["GPULoader", "augment_batch", "reference_augment", "augment_draws",
-           "sample_draws", "resident_bytes", "CIFAR_MEAN", "CIFAR_STD"]
+           "sample_draws", "resident_bytes", "count_ops", "CIFAR_MEAN", "CIFAR_STD"]
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
@@ -196,63 +198,85 @@ def reference_augment(image, seed: int, epoch: int, index: int, *, padding: int 
     crop = padded[:, dy:dy + height, dx:dx + width]
     if flip and flipped:
         crop = crop.flip(2)
-    x = crop.float().div(255)
-    m = torch.tensor(mean, device=x.device).view(-1, 1, 1)
-    s = torch.tensor(std, device=x.device).view(-1, 1, 1)
-    return x.sub(m).div(s)
+    scale, shift = _norm_constants(mean, std, crop.device)
+    return crop.float().mul(scale[0]).add(shift[0])  # x / 255 - mean, over std
 
 
 def _augment(data: torch.Tensor, indices: torch.Tensor, draws, padding: int,
-             flip: bool, mean: torch.Tensor, std: torch.Tensor,
-             channels_last: bool) -> torch.Tensor:
-    """The batch ``data[indices]`` augmented with ``draws``, by whole-batch operations:
-    crop and flip are index arithmetic, one gather reads every output value from its
-    source, and values that fall in the padding are set to zero."""
-    _, height, width, channels = data.shape
+             flip: bool, norm: tuple[torch.Tensor, torch.Tensor], channels_last: bool,
+             dtype: torch.dtype) -> torch.Tensor:
+    """The images ``data[indices]`` augmented with ``draws``, by whole-batch operations:
+    crop and flip are index arithmetic on small ``(B, H)`` and ``(B, W)`` tensors, one
+    broadcast gather reads every output pixel from its source, the pixels that fall in
+    the padding are set to zero, and one conversion, one multiply and one add make the
+    normalised floats. Whatever the number of images, that is the same dozen or so
+    tensor operations."""
+    _, height, width, _ = data.shape
     dy, dx, flipped = draws
     device = data.device
-    rows = dy[:, None] + torch.arange(height, device=device) - padding  # (B, H)
-    cols = dx[:, None] + torch.arange(width, device=device) - padding  # (B, W)
+    rows = dy[:, None] + torch.arange(-padding, height - padding, device=device)
+    cols = dx[:, None] + torch.arange(-padding, width - padding, device=device)
     if flip:
         # output column j shows the crop's column W-1-j
         cols = torch.where(flipped[:, None], cols.flip(1), cols)
-    inside = (((rows >= 0) & (rows < height))[:, :, None]
-              & ((cols >= 0) & (cols < width))[:, None, :])  # (B, H, W)
-    # where each output pixel's source pixel starts in data.view(-1)
-    source = ((indices.to(torch.int64)[:, None, None] * height
-               + rows.clamp(0, height - 1)[:, :, None]) * width
-              + cols.clamp(0, width - 1)[:, None, :]) * channels  # (B, H, W)
-    channel = torch.arange(channels, device=device)
-    if channels_last:  # gather (B, H, W, C): channels_last memory once permuted
-        offsets, inside = source[..., None] + channel, inside[..., None]
-    else:  # gather (B, C, H, W) directly
-        offsets, inside = source[:, None] + channel[:, None, None], inside[:, None]
-    x = data.view(-1).index_select(0, offsets.view(-1)).view(offsets.shape)
-    x = x.masked_fill_(~inside, 0)
-    if channels_last:
-        x = x.permute(0, 3, 1, 2)  # .float() keeps these strides
-    return x.float().div_(255).sub_(mean).div_(std)
+    outside = (((rows < 0) | (rows >= height))[:, :, None]
+               | ((cols < 0) | (cols >= width))[:, None, :])  # (B, H, W)
+    # one gather: the index tensors broadcast to (B, H, W), none of them materialised
+    x = data[indices[:, None, None], rows.clamp(0, height - 1)[:, :, None],
+             cols.clamp(0, width - 1)[:, None, :]]  # (B, H, W, C) uint8
+    x.masked_fill_(outside[..., None], 0)
+    # (B, H, W, C) seen as (B, C, H, W) is channels_last memory already
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    x = x.permute(0, 3, 1, 2).to(torch.float32, memory_format=layout)
+    scale, shift = norm
+    x = x.mul_(scale).add_(shift)
+    return x if dtype == torch.float32 else x.to(dtype)
 
 
-def _norm_tensors(mean, std, device) -> tuple[torch.Tensor, torch.Tensor]:
+_NORM_CACHE: dict = {}
+
+
+def _norm_constants(mean, std, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, shift)``, float32 ``(1, C, 1, 1)`` on ``device``, with
+    ``x * scale + shift == (x / 255 - mean) / std``: made once per device and values,
+    so that no later call copies from the host (on CUDA a copy from pageable memory
+    would make the host wait)."""
     mean, std = _check_norm(mean, std)
-    return (torch.tensor(mean, device=device).view(1, -1, 1, 1),
-            torch.tensor(std, device=device).view(1, -1, 1, 1))
+    key = (mean, std, torch.device(device))
+    if key not in _NORM_CACHE:
+        scale = [1.0 / (255.0 * s) for s in std]
+        shift = [-m / s for m, s in zip(mean, std)]
+        both = torch.tensor([scale, shift], dtype=torch.float32).to(device)
+        _NORM_CACHE[key] = (both[0].view(1, -1, 1, 1), both[1].view(1, -1, 1, 1))
+    return _NORM_CACHE[key]
+
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_dtype(dtype) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {[str(d) for d in DTYPES]} (float32, "
+                         f"or the AMP dtype the model computes in), got {dtype!r}")
+    return dtype
 
 
 def augment_batch(data: torch.Tensor, indices, seed: int, epoch: int, *,
                   padding: int = 4, flip: bool = True,
                   mean: Sequence[float] = CIFAR_MEAN,
                   std: Sequence[float] = CIFAR_STD,
-                  channels_last: bool = False, keys=None) -> torch.Tensor:
+                  channels_last: bool = False, keys=None,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``data[indices]`` augmented as ``reference_augment`` augments each sample.
 
     ``data``: uint8 ``(N, H, W, C)`` on any device (the loader's resident layout);
     ``indices``: 1-D integer tensor. The draws of ``data[indices[i]]`` are keyed by
     ``(seed, epoch, keys[i])``; ``keys`` defaults to ``indices``, and is for a batch
     gathered elsewhere (a DataLoader's): ``augment_batch(batch, arange(B), seed,
-    epoch, keys=its_indices)``. Returns float32 ``(B, C, H, W)``, with
-    ``channels_last`` strides if asked.
+    epoch, keys=its_indices)``. Returns ``(B, C, H, W)`` in ``dtype`` (float32, or
+    bfloat16/float16 for AMP: the float32 result rounded), with ``channels_last``
+    strides if asked. ``indices`` and ``keys`` are used where they are: pass them on
+    ``data``'s device (a CPU tensor is copied there, which on CUDA waits for the copy).
     """
     if (not isinstance(data, torch.Tensor) or data.dtype != torch.uint8
             or data.dim() != 4 or not data.is_contiguous()):
@@ -263,17 +287,17 @@ def augment_batch(data: torch.Tensor, indices, seed: int, epoch: int, *,
                            else type(data).__name__))
     indices = _check_indices(indices).to(data.device)
     padding, flip = _check_padding(padding), check_bool("flip", flip)
-    mean_t, std_t = _norm_tensors(mean, std, data.device)
-    if mean_t.numel() != data.shape[3]:
+    norm = _norm_constants(mean, std, data.device)
+    if norm[0].numel() != data.shape[3]:
         raise ValueError(f"data has {data.shape[3]} channels (last dimension) but "
-                         f"mean and std have {mean_t.numel()} values")
+                         f"mean and std have {norm[0].numel()} values")
     keys = indices if keys is None else _check_indices(keys).to(data.device)
     if keys.shape != indices.shape:
         raise ValueError(f"keys must have one key per index: {len(keys)} keys for "
                          f"{len(indices)} indices")
     draws = _draws(_epoch_key(seed, epoch), keys, 2 * padding + 1)
-    return _augment(data, indices, draws, padding, flip, mean_t, std_t,
-                    check_bool("channels_last", channels_last))
+    return _augment(data, indices.to(torch.int64), draws, padding, flip, norm,
+                    check_bool("channels_last", channels_last), _check_dtype(dtype))
 
 
 # --- the loader -----------------------------------------------------------------------
@@ -323,7 +347,14 @@ class GPULoader:
     indices; ``num_replicas``/``rank`` default to the process group's, or 1/0 without
     one); ``drop_last_batch`` drops this rank's last, incomplete batch, as
     ``DataLoader(drop_last=True)``. ``padding=0, flip=False`` turns augmentation off.
-    ``device`` defaults to the images' (the CPU for an array).
+    ``device`` defaults to the images' (the CPU for an array). ``dtype``: the batches'
+    float type (float32, or the AMP dtype: bfloat16, float16).
+
+    Each iteration augments the rest of the epoch at once, a fixed number of tensor
+    operations whatever its length, and then yields slices of it: two slicing
+    operations per batch, no kernel. That costs ``4 * C * H * W`` bytes per image of
+    the epoch in float32 (half in bfloat16) on the device; ``chunk_batches=k`` bounds
+    it to ``k`` batches at a time, for the same batches.
     """
 
     def __init__(self, images, labels, batch_size: int, *,
@@ -331,7 +362,9 @@ class GPULoader:
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  drop_last_batch: bool = False, padding: int = 4, flip: bool = True,
                  mean: Sequence[float] = CIFAR_MEAN, std: Sequence[float] = CIFAR_STD,
-                 channels_last: bool = False, device=None) -> None:
+                 channels_last: bool = False, device=None,
+                 dtype: torch.dtype = torch.float32,
+                 chunk_batches: int | None = None) -> None:
         self.batch_size = check_int("batch_size", batch_size, minimum=1)
         self.num_replicas, self.rank = _resolve_world(num_replicas, rank)
         self.shuffle = check_bool("shuffle", shuffle)
@@ -350,7 +383,10 @@ class GPULoader:
         self.device = torch.device(device)
         self.data = nhwc.to(self.device).contiguous()
         self.labels = torch.from_numpy(targets).to(self.device)
-        self.mean, self.std = _norm_tensors(mean, std, self.device)
+        self.norm = _norm_constants(mean, std, self.device)
+        self.dtype = _check_dtype(dtype)
+        self.chunk_batches = (None if chunk_batches is None else
+                              check_int("chunk_batches", chunk_batches, minimum=1))
         self.dataset_len = len(self.data)
         n, r, b = self.dataset_len, self.num_replicas, self.batch_size
         self.num_samples = n // r if self.drop_last else -(-n // r)  # ShardSampler's
@@ -385,16 +421,49 @@ class GPULoader:
             order = order.pin_memory().to(self.device, non_blocking=True)
         else:
             order = order.to(self.device)
-        draws = _draws(_epoch_key(self.seed, self.epoch), order, 2 * self.padding + 1)
-        for start in range(0, len(order), b):
-            idx = order[start:start + b]
-            batch_draws = tuple(d[start:start + b] for d in draws)
-            yield (_augment(self.data, idx, batch_draws, self.padding, self.flip,
-                            self.mean, self.std, self.channels_last),
-                   self.labels[idx])
+        key, span = _epoch_key(self.seed, self.epoch), 2 * self.padding + 1
+        chunk = len(order) if self.chunk_batches is None else self.chunk_batches * b
+        for begin in range(0, len(order), max(chunk, 1)):
+            part = order[begin:begin + chunk]
+            images = _augment(self.data, part, _draws(key, part, span), self.padding,
+                              self.flip, self.norm, self.channels_last, self.dtype)
+            labels = self.labels[part]
+            for start in range(0, len(part), b):  # slices: views, no kernel
+                yield images[start:start + b], labels[start:start + b]
 
     def __repr__(self) -> str:
         return (f"GPULoader({self.dataset_len} images of "
                 f"{tuple(self.data.shape[1:])} on {self.device}, "
                 f"batch_size={self.batch_size}, num_replicas={self.num_replicas}, "
                 f"rank={self.rank}, seed={self.seed}, epoch={self.epoch})")
+
+
+# --- counting the tensor operations a loader issues ----------------------------------
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the ATen operations dispatched while it is active: on a GPU each one is
+    at least a launch's worth of host time (or a metadata-only view)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(batches) -> list[int]:
+    """The ATen operations it takes to get each item of ``batches`` (any iterable: a
+    ``GPULoader``, a DataLoader): ``counts[0]`` includes what the iteration does
+    before its first item (the epoch's set-up). Counted on whatever device the work
+    runs on; a CPU run counts what a CUDA run would launch."""
+    counts, iterator = [], iter(batches)
+    while True:
+        counter = _OpCounter()
+        with counter:
+            try:
+                next(iterator)
+            except StopIteration:
+                return counts
+        counts.append(counter.count)

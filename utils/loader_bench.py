@@ -110,13 +110,12 @@ def augment_loaded_batch(images: torch.Tensor, indices: torch.Tensor, seed: int,
     ``(B, H, W, C)``, ``indices`` the data set indices of its images, whose
     ``(seed, epoch, index)`` keys draw the crops and flips. Float32 ``(B, C, H, W)``.
     """
-    from . import gpu_loader
+    from .gpu_loader import augment_batch
 
     images = images.contiguous()
-    draws = gpu_loader.augment_draws(seed, epoch, indices.to(images.device), PAD)
-    mean, std = gpu_loader._norm_tensors(CIFAR_MEAN, CIFAR_STD, images.device)
     positions = torch.arange(len(images), device=images.device)
-    return gpu_loader._augment(images, positions, draws, PAD, True, mean, std, False)
+    return augment_batch(images, positions, seed, epoch, keys=indices, padding=PAD,
+                         mean=CIFAR_MEAN, std=CIFAR_STD)
 
 
 # --- feeding a GPU: a side-stream prefetcher -----------------------------------------
