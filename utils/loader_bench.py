@@ -47,7 +47,7 @@ from ._checks import check_int
 from .bench import environment as bench_environment
 from .bench import save_result
 from .data import is_synthetic_cifar10, load_cifar10, write_synthetic_cifar10
-from .gpu_loader import CIFAR_MEAN, CIFAR_STD, GPULoader
+from .gpu_loader import CIFAR_MEAN, CIFAR_STD, GPULoader, augment_batch, count_ops
 
 __all__ = ["cifar10_pil", "pil_transform", "UInt8Images", "augment_loaded_batch",
            "prefetch_to_device", "stage_times", "copy_bandwidth", "run_loader_bench",
@@ -110,8 +110,6 @@ def augment_loaded_batch(images: torch.Tensor, indices: torch.Tensor, seed: int,
     ``(B, H, W, C)``, ``indices`` the data set indices of its images, whose
     ``(seed, epoch, index)`` keys draw the crops and flips. Float32 ``(B, C, H, W)``.
     """
-    from .gpu_loader import augment_batch
-
     images = images.contiguous()
     positions = torch.arange(len(images), device=images.device)
     return augment_batch(images, positions, seed, epoch, keys=indices, padding=PAD,
@@ -308,8 +306,11 @@ class _Case:
     def result(self, warmup: int) -> dict:
         median = statistics.median(self.seconds[warmup:])
         cpu_median = statistics.median(self.cpu_seconds[warmup:])
+        timing = {"ms_per_pass": round(1000 * median, 3)}
+        if "epoch_images" in self.info:  # a pass is one epoch of the data set
+            timing["ms_per_epoch"] = timing["ms_per_pass"]
         return {**self.info, "threads": self.threads, "images_per_pass": self.images,
-                "images_per_s": round(self.images / median, 1),
+                "images_per_s": round(self.images / median, 1), **timing,
                 # per second of this process's CPU time: a per-core rate that other
                 # jobs on the machine do not dilute (with num_workers=0 and one thread)
                 "images_per_main_cpu_s": round(self.images / max(cpu_median, 1e-9), 1),
@@ -319,14 +320,18 @@ class _Case:
                 "warmup_passes": warmup}
 
 
-def _pass(batches: Callable[[int], Iterable], consume: Callable) -> Callable:
+def _pass(batches: Callable[[int], Iterable], consume: Callable,
+          device: torch.device | None = None) -> Callable:
     """``run_pass(epoch)``: iterate ``batches(epoch)``, hand each batch to
-    ``consume(batch, epoch)``; (images, seconds to the first batch)."""
+    ``consume(batch, epoch)``; (images, seconds to the first batch: ready on
+    ``device``, not only queued)."""
     def run_pass(epoch):
         start = time.perf_counter()
         images, first = 0, None
         for batch in batches(epoch):
             if first is None:
+                if device is not None:
+                    _sync(device)
                 first = time.perf_counter() - start
             consume(batch, epoch)
             images += len(batch[0])
@@ -545,12 +550,15 @@ def _resident_cases(pil_set, device, batch_size) -> list:
         def epoch_batches(epoch, r=resident_loader):
             r.set_epoch(epoch)
             return r
+        ops = count_ops(epoch_batches(0))  # the same on every device
         info = {"method": "resident_pipeline", "device": where, "num_workers": 0,
                 "batch_size": batch_size, "pin_memory": False,
                 "persistent_workers": False, "prefetch_factor": None,
-                "epoch_images": len(resident_loader) * batch_size}
-        cases.append(_Case(info, _pass(epoch_batches, _nothing), threads,
-                           torch.device(where)))
+                "epoch_images": len(resident_loader) * batch_size,
+                "ops_per_batch": max(ops[1:], default=ops[0]),
+                "ops_per_epoch": sum(ops)}
+        cases.append(_Case(info, _pass(epoch_batches, _nothing, torch.device(where)),
+                           threads, torch.device(where)))
     return cases
 
 
@@ -602,10 +610,10 @@ def _report(results, skipped, settings, pil_set, device, stages) -> dict:
 
 
 def _cuda_cases(pil_set, device, batch_size, pass_images) -> list:
-    """A plain ``.to(device)`` loop against ``prefetch_to_device``, both feeding the
-    same training step, and the step alone on data already on the GPU."""
-    from .gpu_loader import augment_batch
-
+    """A plain ``.to(device)`` loop (pageable memory, blocking copies), the same from
+    pinned memory with ``non_blocking`` copies on the compute stream (pinning without
+    overlap: the control), and ``prefetch_to_device`` (pinned, on a side stream), all
+    feeding the same training step; and the step alone on data already on the GPU."""
     data = torch.from_numpy(pil_set.data)
     targets = torch.as_tensor(pil_set.targets)
     pageable = []
@@ -622,10 +630,16 @@ def _cuda_cases(pil_set, device, batch_size, pass_images) -> list:
 
     def plain(epoch):
         return ((x.to(device), y.to(device)) for x, y in pageable)
+
+    def pinned_same_stream(epoch):
+        return ((x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+                for x, y in pinned)
     threads = torch.get_num_threads()
     return [
         _Case({**common, "method": "h2d_plain", "pin_memory": False},
               _pass(plain, step), threads, device),
+        _Case({**common, "method": "h2d_pinned_same_stream", "pin_memory": True},
+              _pass(pinned_same_stream, step), threads, device),
         _Case({**common, "method": "h2d_prefetcher", "pin_memory": True},
               _pass(lambda epoch: prefetch_to_device(pinned, device), step),
               threads, device),
@@ -668,6 +682,9 @@ def _targets(results, best, cuda) -> dict:
         plain, pre = find("h2d_plain"), find("h2d_prefetcher")
         targets["prefetcher_vs_plain_to_device"] = {
             "ratio": round(pre["images_per_s"] / plain["images_per_s"], 2),
+            "prefetcher_vs_pinned_same_stream": round(
+                pre["images_per_s"]
+                / find("h2d_pinned_same_stream")["images_per_s"], 2),
             "prefetcher_vs_step_only": round(
                 pre["images_per_s"] / find("step_only")["images_per_s"], 3)}
     return targets
@@ -689,6 +706,7 @@ def _label(r: dict) -> str:
     if r["method"] == "resident_pipeline":
         return f"resident, {r['device']}, {r['threads']} thread(s)"
     return {"h2d_plain": "plain .to(device) + step",
+            "h2d_pinned_same_stream": "pinned, non_blocking, one stream + step",
             "h2d_prefetcher": "prefetch_to_device + step",
             "step_only": "step alone, data on the GPU"}[r["method"]]
 
