@@ -50,6 +50,7 @@ from .data import is_synthetic_cifar10, load_cifar10, write_synthetic_cifar10
 from .gpu_loader import CIFAR_MEAN, CIFAR_STD, GPULoader, augment_batch, count_ops
 
 __all__ = ["cifar10_pil", "pil_transform", "UInt8Images", "augment_loaded_batch",
+           "round_ratios",
            "prefetch_to_device", "stage_times", "copy_bandwidth", "run_loader_bench",
            "format_table", "main"]
 
@@ -711,14 +712,36 @@ def _label(r: dict) -> str:
             "step_only": "step alone, data on the GPU"}[r["method"]]
 
 
+def round_ratios(r: dict, reference: dict) -> list[float]:
+    """``r``'s images/s over ``reference``'s, round by round (the timed passes, warm-up
+    left out): each ratio compares two passes run side by side, so a machine that got
+    busier between rounds slows both."""
+    def rates(x):
+        return [x["images_per_pass"] / s for s in x["pass_s"][x["warmup_passes"]:]]
+    return [a / b for a, b in zip(rates(r), rates(reference))]
+
+
+def _reference(result: dict) -> dict:
+    """The fixed configuration every ratio of the table is taken against: the PIL
+    pipeline in the main process (``num_workers=0``), which every run measures."""
+    return next(r for r in result["results"] if r["method"] == "pil_dataloader"
+                and r["num_workers"] == 0 and not r["pin_memory"])
+
+
 def format_table(result: dict) -> str:
-    """The results as a table: images/s, the first batch of the last timed pass, and
-    the ratio to the best DataLoader configuration."""
-    lines = [f"{'method':<52}{'images/s':>12}{'1st batch':>11}{'ratio':>9}"]
+    """The results as a table: images/s (the median pass), the first batch of the last
+    timed pass, and images/s over the PIL pipeline with no workers, round by round:
+    the lowest, median and highest ratio."""
+    reference = _reference(result)
+    lines = [f"{'':<67}{'images/s over PIL w=0':>21}",
+             f"{'method':<48}{'images/s':>9}{'1st batch':>10}{'round by round':>21}",
+             f"{'':<67}{'min':>7}{'median':>7}{'max':>7}"]
     for r in result["results"]:
-        lines.append(f"{_label(r):<52}{r['images_per_s']:>12,.0f}"
-                     f"{1000 * r['first_batch_s'][-1]:>9.1f}ms"
-                     f"{r['ratio_to_best_dataloader']:>9.2f}")
+        ratios = sorted(round_ratios(r, reference))
+        lines.append(f"{_label(r):<48}{r['images_per_s']:>9,.0f}"
+                     f"{1000 * r['first_batch_s'][-1]:>8.1f}ms"
+                     f"{ratios[0]:>7.2f}{statistics.median(ratios):>7.2f}"
+                     f"{ratios[-1]:>7.2f}")
     t = result["targets"]["cpu_tensor_aug_vs_pil_per_core"]
     lines.append(f"CPU, one core each: whole-batch tensor augmentation / PIL pipeline "
                  f"= {t['ratio']:.2f}")
