@@ -234,9 +234,11 @@ def test_on_cuda_the_batches_equal_the_cpu_ones_without_a_host_sync():
     torch.cuda.set_sync_debug_mode("error")
     try:
         on_gpu = [(x, y) for x, y in gpu]
-        for dtype in (torch.float32, torch.bfloat16):  # every public path, on the device
+        for dtype in (torch.float32, torch.bfloat16):  # every public function
             augment_batch(data, index, 0, 0, keys=index, dtype=dtype)
             augment_draws(0, 0, index)
+        augment_batch(data, torch.arange(5), 0, 0)  # CPU indices: a pinned copy
+        reference_augment(data[0], 0, 0, 0)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for (x, y), (gx, gy) in zip(batches(cpu), on_gpu):
@@ -298,7 +300,7 @@ def test_bad_epochs_starts_indices_and_data_are_refused_with_a_message():
         reference_augment(DATA[:2], 0, 0, 0)
 
 
-# --- launches: what a batch and an epoch cost in tensor operations ---------------------
+# --- launches: what a batch and an epoch cost in tensor operations --------------------
 
 def test_a_batch_costs_two_operations_and_an_epoch_a_set_up_that_does_not_grow():
     """Counted on the CPU; on a GPU each operation is a launch (the slices none). The

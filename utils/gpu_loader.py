@@ -143,6 +143,16 @@ def augment_draws(seed: int, epoch: int, indices,
     return _draws(_epoch_key(seed, epoch), indices, 2 * _check_padding(padding) + 1)
 
 
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` on ``device``; a CPU tensor bound for a GPU goes through pinned memory, so
+    that the copy does not make the host wait."""
+    if x.device == device:
+        return x
+    if device.type == "cuda" and x.device.type == "cpu":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
 def _check_indices(indices) -> torch.Tensor:
     indices = torch.as_tensor(indices)
     if indices.dim() != 1 or indices.dtype not in (torch.int32, torch.int64):
@@ -287,13 +297,13 @@ def augment_batch(data: torch.Tensor, indices, seed: int, epoch: int, *,
                            f"contiguous={data.is_contiguous()}"
                            if isinstance(data, torch.Tensor)
                            else type(data).__name__))
-    indices = _check_indices(indices).to(data.device)
+    indices = _to_device(_check_indices(indices), data.device)
     padding, flip = _check_padding(padding), check_bool("flip", flip)
     norm = _norm_constants(mean, std, data.device)
     if norm[0].numel() != data.shape[3]:
         raise ValueError(f"data has {data.shape[3]} channels (last dimension) but "
                          f"mean and std have {norm[0].numel()} values")
-    keys = indices if keys is None else _check_indices(keys).to(data.device)
+    keys = indices if keys is None else _to_device(_check_indices(keys), data.device)
     if keys.shape != indices.shape:
         raise ValueError(f"keys must have one key per index: {len(keys)} keys for "
                          f"{len(indices)} indices")
@@ -418,11 +428,7 @@ class GPULoader:
         b = self.batch_size
         first = self.start_batch * b
         order = self.indices()[first:first + len(self) * b]
-        if self.device.type == "cuda":
-            # pinned: the copy overlaps whatever the GPU is still doing, no host wait
-            order = order.pin_memory().to(self.device, non_blocking=True)
-        else:
-            order = order.to(self.device)
+        order = _to_device(order, self.device)  # on a GPU: pinned, no host wait
         key, span = _epoch_key(self.seed, self.epoch), 2 * self.padding + 1
         chunk = len(order) if self.chunk_batches is None else self.chunk_batches * b
         for begin in range(0, len(order), max(chunk, 1)):
