@@ -86,7 +86,7 @@ test-notebooks: $(STAMP)
 # test_start_method.py checks that it took effect. The pass runs the chapters that start such
 # processes; the others start none (run_distributed's ranks are started the same way in both
 # passes), and tests/test_notebooks.py fails if a chapter that starts workers is missing here.
-SPAWN_NOTEBOOKS := 00_the_picture 01_samplers 03_set_epoch 05_workers 06_seeding 07_iterable_datasets 10_ddp_from_scratch 11_cifar10_ddp 12_loader_throughput 13_permutation_sampler appendix_common_mistakes
+SPAWN_NOTEBOOKS := 00_the_picture 03_set_epoch 05_workers 06_seeding 07_iterable_datasets 10_ddp_from_scratch 11_cifar10_ddp 12_loader_throughput 13_permutation_sampler appendix_common_mistakes
 
 SPAWN_TESTS = PYTHONPATH=$(CURDIR)/tests/start_method BOOK_START_METHOD=spawn \
   $(BIN)/python $(NBVAL) $(SPAWN_NOTEBOOKS:%=notebooks/%.ipynb) tests/test_start_method.py
