@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
@@ -298,6 +299,8 @@ def setup_distributed(device_choice: str) -> tuple[bool, int, int, int, torch.de
                          "here; use --device cpu or auto")
     cuda = device_choice == "cuda" or (device_choice == "auto" and cuda_available)
     ddp = "RANK" in os.environ
+    if not ddp:
+        refuse_srun_without_torchrun(os.environ)
     local_rank = int(os.environ.get("LOCAL_RANK", 0)) if ddp else 0
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if not ddp:
@@ -309,6 +312,20 @@ def setup_distributed(device_choice: str) -> tuple[bool, int, int, int, torch.de
         torch.cuda.set_device(device)
     init_process_group("nccl" if cuda else "gloo", device)
     return True, dist.get_rank(), local_rank, dist.get_world_size(), device
+
+
+def refuse_srun_without_torchrun(env) -> None:
+    """Started by SLURM's ``srun`` as one of several tasks, but not by torchrun: every
+    task would train alone, as rank 0 on the first GPU, writing the same ``--out``."""
+    tasks = int(env.get("SLURM_NTASKS", "1") or 1)
+    if tasks > 1:
+        raise SystemExit(
+            f"error: started by srun as task {env.get('SLURM_PROCID', '?')} of {tasks} "
+            "without torchrun (no RANK in the environment): each task would train "
+            "alone as rank 0 on the first GPU and write the same --out. Start one "
+            "torchrun per node instead: srun --ntasks-per-node=1 torchrun "
+            "--nnodes=$SLURM_NNODES --nproc_per_node=<GPUs per node> ... "
+            "-m utils.train_cifar10 ...")
 
 
 def prepare_data(args, local_rank: int, ddp: bool) -> None:
@@ -466,7 +483,8 @@ class EpochSampler(ShardSampler):
 def save_checkpoint(path: str, state: dict) -> None:
     """Write to a temporary file, flush it to disk, then rename it over ``path``.
 
-    The old checkpoint survives a crash at any point."""
+    The old checkpoint survives a crash at any point, and once this returns the new one
+    survives a power cut: the folder is flushed too, so the rename itself is on disk."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -474,9 +492,24 @@ def save_checkpoint(path: str, state: dict) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_folder(os.path.dirname(os.path.abspath(path)))
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _fsync_folder(folder: str) -> None:
+    """Flush a folder's entries (a rename) to disk, where the system allows it."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # e.g. Windows: folders cannot be opened
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on a folder
+        pass
+    finally:
+        os.close(fd)
 
 
 FORMAT = "utils.train_cifar10/2"
@@ -941,10 +974,19 @@ def finish(args, job: Job, training: Training, metrics) -> None:
             # loads anywhere, GPU or not, in the default memory format
             final = {k: v.cpu().contiguous()
                      for k, v in training.model.state_dict().items()}
-            torch.save(final, os.path.join(args.out, "model_final.pt"))
+            save_checkpoint(os.path.join(args.out, "model_final.pt"), final)
     if job.ddp:
         dist.destroy_process_group()
 
 
+def run() -> None:
+    """The command line's entry point: ``main`` under torchelastic's ``@record``, so
+    that under torchrun a rank's exception and traceback reach its error file and
+    torchrun prints them (instead of ``error_file: <N/A>``). ``main`` itself, which
+    notebooks and tests call in-process, goes without: ``@record`` also sets up a fault
+    handler on the process's stderr."""
+    record(main)()
+
+
 if __name__ == "__main__":
-    main()
+    run()
