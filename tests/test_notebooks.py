@@ -73,6 +73,25 @@ def test_every_chapter_that_starts_worker_processes_is_in_the_spawn_pass():
     assert {"03_set_epoch", "05_workers", "11_cifar10_ddp"} <= starting
 
 
+# A folder made with tempfile.mkdtemp outlives the kernel (nbval stops the kernel without
+# running atexit handlers), and chapter 11 writes hundreds of MB: every CI run would leave
+# them. A chapter that makes one at top level removes it in its last code cell (folders
+# made inside another, with dir=, go with it).
+MKDTEMP = re.compile(r"^(\w+) = tempfile\.mkdtemp\((?![^)]*\bdir=)", re.M)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_a_chapter_removes_the_scratch_folders_it_makes(path):
+    code = [c.source for c in nbformat.read(path, as_version=4).cells
+            if c.cell_type == "code"]
+    made = MKDTEMP.findall("\n".join(code))
+    kept = [name for name in made if f"shutil.rmtree({name})" not in code[-1]]
+    assert not kept, (
+        f"{path.name} makes {kept} with tempfile.mkdtemp but its last code cell does "
+        f"not remove them: end it with shutil.rmtree(...) for each (or use "
+        f"tempfile.TemporaryDirectory in a with block)")
+
+
 # --- what the book shows: line lengths, figures, widgets ------------------------------
 
 MAX_LINE = 88
