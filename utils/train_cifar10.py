@@ -78,6 +78,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "stand-in there (no network needed)")
     p.add_argument("--synthetic-size", type=int, nargs=2, default=[5000, 1000],
                    metavar=("TRAIN", "TEST"))
+    p.add_argument("--prepare-only", action="store_true",
+                   help="download (--download) or write (--synthetic) the data into "
+                        "--data, then stop: stages it before a cluster job whose "
+                        "nodes have no network (one process, no torchrun)")
     p.add_argument("--model", choices=["simplecnn", "resnet18"], default="simplecnn")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--global-batch", type=int, default=256,
@@ -621,6 +625,9 @@ def evaluate(model: nn.Module, loader, device) -> float:
 def main(argv=None) -> None:
     """The whole run, one named step after another."""
     args = parse_args(argv)
+    if args.prepare_only:
+        prepare_only(args)
+        return
     if args.deterministic:
         use_deterministic_algorithms()
     job = set_up_job(args)
@@ -631,6 +638,17 @@ def main(argv=None) -> None:
     metrics = start_log(args, job, data)
     train(args, job, data, training, model, metrics)
     finish(args, job, training, metrics)
+
+
+def prepare_only(args) -> None:
+    """``--prepare-only``: the data into ``--data`` (as one node's local rank 0 would
+    prepare it), and nothing else."""
+    if "RANK" in os.environ:
+        raise SystemExit("error: --prepare-only runs as one process, without torchrun "
+                         "(once per disk that the nodes read --data from)")
+    prepare_data(args, local_rank=0, ddp=False)
+    kind = "synthetic" if is_synthetic_cifar10(args.data) else "real"
+    print(f"{kind} CIFAR-10 ready in {args.data}", flush=True)
 
 
 def use_deterministic_algorithms() -> None:
