@@ -58,3 +58,89 @@ def test_a_checkpoint_is_renamed_into_place_and_its_folder_flushed(tmp_path,
     assert torch.equal(torch.load(path, weights_only=True)["w"], torch.arange(3))
     assert os.listdir(tmp_path) == ["model_final.pt"]  # no temporary file left
     train._fsync_folder(str(tmp_path))  # the real one runs here without error
+
+
+@pytest.mark.parametrize("argv", [["torchrun", "--nnodes=1:2", "-m", "x"],
+                                  ["torchrun", "--nnodes", "2:4", "-m", "x"]])
+def test_an_elastic_nnodes_range_is_refused(argv):
+    with pytest.raises(SystemExit, match=r"elastic job.*fixed one: --nnodes=N"):
+        train.refuse_elastic_nnodes(argv)
+
+
+@pytest.mark.parametrize("argv", [[], ["torchrun", "--nnodes=2", "-m", "x"],
+                                  ["torchrun", "--nnodes=2:2"], ["python", "-m", "x"]])
+def test_a_fixed_number_of_nodes_is_accepted(argv):
+    train.refuse_elastic_nnodes(argv)
+
+
+def test_the_launchers_command_line_is_read_from_proc():
+    if not os.path.exists(f"/proc/{os.getppid()}/cmdline"):
+        pytest.skip("no /proc here: the check is skipped on such systems")
+    assert train.launcher_args()[0]  # this process's parent: a shell, pytest-xdist...
+
+
+def test_a_global_batch_that_does_not_split_lists_the_process_counts_it_splits_over():
+    assert train.per_process_batch(64, 4) == 16
+    with pytest.raises(SystemExit, match=r"--global-batch 64 does not split evenly over 3 "
+                                         r"processes; it splits over 1, 2, 4, 8, 16, 32 "
+                                         r"or 64 processes.*e\.g\. 63 or 66"):
+        train.per_process_batch(64, 3)
+
+
+def tiny_run(tmp_path, *extra):
+    """main in-process on 512 synthetic images: 8 steps of 64 per epoch."""
+    from utils.data import write_synthetic_cifar10
+
+    data = tmp_path / "data"
+    if not data.exists():
+        write_synthetic_cifar10(str(data), n_train=512, n_test=64, seed=0)
+    train.main(["--data", str(data), "--out", str(tmp_path / "out"), "--epochs", "1",
+                "--global-batch", "64", "--workers", "0", "--no-progress",
+                "--device", "cpu", *extra])
+    return tmp_path / "out"
+
+
+def test_a_resume_on_a_count_that_does_not_split_checks_the_checkpoint_first(
+        tmp_path, monkeypatch, capsys):
+    """On main, resuming a G=64 run on 3 processes advised 'use 63 or 66', and
+    --global-batch 66 was then refused by the checkpoint: now the checkpoint is read
+    first, and the message lists the counts its global batch splits over."""
+    out = tiny_run(tmp_path, "--stop-at-step", "2")
+    three = (False, 0, 0, 3, torch.device("cpu"))  # as rank 0 of 3 would see it
+    monkeypatch.setattr(train, "setup_distributed", lambda device: three)
+    common = ["--data", str(tmp_path / "data"), "--out", str(out), "--resume",
+              "--epochs", "1", "--device", "cpu", "--workers", "0"]
+    with pytest.raises(SystemExit, match=r"cannot resume .*--global-batch 66 "
+                                         r"\(checkpoint: 64\)"):
+        train.main([*common, "--global-batch", "66"])
+    with pytest.raises(SystemExit, match=r"splits over 1, 2, 4, 8, 16, 32 or 64"):
+        train.main([*common, "--global-batch", "64"])
+
+
+def test_the_last_k_checkpoints_are_kept(tmp_path):
+    out = tiny_run(tmp_path, "--checkpoint-every", "2", "--keep-checkpoints", "3")
+    names = sorted(os.listdir(out))
+    # saves at steps 2, 4, 6 and 8 (the epoch's end): the newest, and the 2 before it
+    assert names == ["checkpoint-step4.pt", "checkpoint-step6.pt", "checkpoint.pt",
+                     "metrics.jsonl", "model_final.pt"]
+    for name, step in [("checkpoint-step4.pt", 4), ("checkpoint-step6.pt", 6),
+                       ("checkpoint.pt", 8)]:
+        assert torch.load(out / name, weights_only=True)["step"] == step
+
+
+def test_a_scheduler_whose_state_holds_a_method_still_saves_a_weights_only_checkpoint(
+        tmp_path, monkeypatch):
+    """torch 2.2-2.3 (which requirements.txt admits) put OneCycleLR's anneal_func, a
+    bound method, in its state_dict: torch.load(weights_only=True) refused every
+    checkpoint. Here today's torch is made to do the same."""
+    state_dict = torch.optim.lr_scheduler.OneCycleLR.state_dict
+
+    def old_state_dict(self):
+        return {**state_dict(self), "anneal_func": self._anneal_func}
+    monkeypatch.setattr(torch.optim.lr_scheduler.OneCycleLR, "state_dict",
+                        old_state_dict)
+    out = tiny_run(tmp_path, "--stop-at-step", "3")
+    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert "anneal_func" not in state["scheduler"] and state["step"] == 3
+    tiny_run(tmp_path, "--resume")  # loads it, and the schedule goes on
+    assert (out / "model_final.pt").exists()

@@ -41,8 +41,11 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -63,6 +66,10 @@ from .samplers import ShardSampler
 from .seeding import derive_seed, sample_generator, seed_everything
 
 CHECKPOINT = "checkpoint.pt"
+PREEMPTED = "preempted.json"  # rank 0 writes it when a signal stopped the run
+# the exit code of every rank stopped by SIGTERM or SIGUSR1 after its checkpoint:
+# sysexits' EX_TEMPFAIL, "a temporary failure: try again later" (with --resume)
+EXIT_PREEMPTED = 75
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -114,7 +121,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: CUDA (nccl) when available, else CPU (gloo); "
                         "cpu: gloo even on a GPU machine")
-    p.add_argument("--amp", action="store_true", help="bf16 autocast (CUDA only)")
+    p.add_argument("--amp", nargs="?", const="bf16", choices=["bf16", "fp16"],
+                   help="mixed precision on CUDA: bf16 autocast (--amp alone; A100, "
+                        "H100 and later), or fp16 with a gradient scaler, saved in "
+                        "checkpoints (V100, T4: bf16 is emulated there)")
     p.add_argument("--sync-bn", action="store_true",
                    help="SyncBatchNorm across GPUs (CUDA only)")
     p.add_argument("--deterministic", action="store_true",
@@ -124,11 +134,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="folder for metrics.jsonl and checkpoints")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="save every N steps (0: at epoch ends)")
+    p.add_argument("--keep-checkpoints", type=int, default=1, metavar="K",
+                   help="keep the last K checkpoints: checkpoint.pt and K-1 older "
+                        "ones, checkpoint-step<N>.pt (default 1)")
     p.add_argument("--resume", action="store_true",
                    help="continue from OUT/checkpoint.pt if rank 0 finds it")
     p.add_argument("--fail-at-step", type=int, default=-1,
                    help="(testing) the last rank dies at the start of this step "
-                        "(from 1), once: no rank completes it")
+                        "(from 1), in its node's first attempt: no rank completes it")
     p.add_argument("--stop-at-step", type=int, default=-1,
                    help="stop after this step with a checkpoint, as a job whose time "
                         "is up (resume with --resume)")
@@ -141,7 +154,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Stop with argparse's usage and a message on a value out of range."""
-    for name in ("epochs", "global_batch", "log_every"):
+    for name in ("epochs", "global_batch", "log_every", "keep_checkpoints"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, "
                     f"got {getattr(args, name)}")
@@ -167,13 +180,18 @@ def check_gpus(local_world_size: int, device_count: int) -> None:
 
 
 def per_process_batch(global_batch: int, world_size: int) -> int:
-    """The batch of one process: the global batch split evenly, or a clear error."""
+    """The batch of one process: the global batch split evenly, or an error that lists
+    the numbers of processes it splits over."""
     if global_batch % world_size:
+        counts = [n for n in range(1, global_batch + 1) if global_batch % n == 0]
+        listed = ", ".join(map(str, counts[:-1])) + f" or {counts[-1]}"
         below = global_batch // world_size * world_size
         nearest = f"{below} or {below + world_size}" if below else f"{world_size}"
         raise SystemExit(f"error: --global-batch {global_batch} does not split evenly "
-                         f"over {world_size} processes; "
-                         f"use a multiple of {world_size} (e.g. {nearest})")
+                         f"over {world_size} processes; it splits over {listed} "
+                         f"processes. Run on one of those, or (a new run, not a "
+                         f"resumed one) take a multiple of {world_size}, "
+                         f"e.g. {nearest}")
     return global_batch // world_size
 
 
@@ -271,27 +289,80 @@ def one_cycle(optimizer: torch.optim.Optimizer, peak_lr: float, total_steps: int
 
 
 def init_process_group(backend: str, device: torch.device | None = None) -> None:
-    """``init_process_group`` from torchrun's variables, a store prefix per attempt.
+    """``init_process_group`` on a store of this attempt's own, hosted by its rank 0.
 
-    torchrun (2.14) keeps its key-value store across restarts, and without a fresh
-    prefix the restarted ranks read the addresses of the processes that died and try to
-    connect to them (chapter 11 shows it). ``TORCHELASTIC_RESTART_COUNT`` cannot name
-    the attempt on several nodes: only the agent whose worker failed counts a restart.
-    So the attempt is counted in the store itself: every process adds 1 to a counter,
-    and processes ``k*W+1 .. (k+1)*W`` are attempt ``k``.
+    torchrun (2.14) keeps the store at ``MASTER_ADDR:MASTER_PORT`` across restarts, so
+    restarted ranks that share it can read the addresses of the processes that died and
+    dial them (chapter 11 shows it). Numbering the attempts does not fix that for good:
+    ``TORCHELASTIC_RESTART_COUNT`` differs between nodes (only the agent whose worker
+    failed counts a restart), and a count kept in the store is shifted for ever by a
+    process that dies before it adds its 1. So every attempt gets a fresh store
+    (``attempt_store``), and nothing of a dead attempt can be read.
     """
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # the store is rank 0's to host, unless torchrun's agent hosts it
     hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          world_size, hosts_store)
-    attempt = (store.add("train_cifar10/processes_started", 1) - 1) // world_size
-    os.environ["TRAIN_CIFAR10_ATTEMPT"] = str(attempt)  # 0 in the first, on every node
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           world_size, hosts_store)
+    store, attempt = attempt_store(shared, os.environ["MASTER_ADDR"], rank, world_size)
+    os.environ["TRAIN_CIFAR10_ATTEMPT"] = str(attempt)
     # device_id binds this rank's GPU to the group: barriers use it
     extra = {"device_id": device} if backend == "nccl" else {}
-    prefixed = dist.PrefixStore(f"train_cifar10/attempt_{attempt}", store)
-    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             **extra)
+
+
+FIND_STORE_SECONDS = 600  # how long ranks wait for their rank 0's store
+
+
+def attempt_store(shared, host: str, rank: int, world_size: int):
+    """``(store, attempt)``: a store that only this attempt's processes know.
+
+    Rank 0 starts a new store on a free port and publishes ``host:port:token`` in the
+    shared store, with a random token that it also writes into the new store. Every
+    other rank reads what is published, connects, and reads the token back. What a dead
+    attempt published names a store whose process is gone (or a port since reused by
+    another store, with another token): the rank waits for this attempt's rank 0 to
+    publish. Rank 0 also checks that the world size has not changed between attempts
+    (an elastic ``--nnodes``); its refusal reaches every rank.
+    """
+    from datetime import timedelta
+
+    if rank == 0:
+        own = dist.TCPStore(host, 0, world_size, True, wait_for_workers=False)
+        attempt = shared.add("train_cifar10/attempts", 1) - 1
+        token = f"{attempt}-{os.urandom(8).hex()}"
+        own.set("token", token)
+        first = shared.compare_set("train_cifar10/world_size", "", str(world_size))
+        published = f"{host}:{own.port}:{token}"
+        if first.decode() != str(world_size):
+            published = (f"error: the world size changed between attempts of this "
+                         f"torchrun job, from {first.decode()} to {world_size} "
+                         f"processes: an elastic --nnodes MIN:MAX? Start torchrun "
+                         f"with a fixed --nnodes (resume on another number of "
+                         f"processes with a new job and --resume)")
+        shared.set("train_cifar10/store", published)
+        if published.startswith("error:"):
+            raise SystemExit(published)
+        return own, attempt
+    deadline = time.monotonic() + FIND_STORE_SECONDS
+    while time.monotonic() < deadline:
+        published = shared.get("train_cifar10/store").decode()
+        if published.startswith("error:"):
+            raise SystemExit(published)
+        address, port, token = published.rsplit(":", 2)
+        try:
+            store = dist.TCPStore(address, int(port), world_size, False,
+                                  timeout=timedelta(seconds=2))
+            if store.get("token").decode() == token:
+                store.set_timeout(timedelta(seconds=FIND_STORE_SECONDS))
+                return store, int(token.split("-")[0])
+        except RuntimeError:  # no store there (DistStoreError), or not ours
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"error: rank {rank} found no store from this attempt's rank 0 "
+                     f"in {FIND_STORE_SECONDS} s (last published: {published}); did "
+                     f"rank 0 start?")
 
 
 def setup_distributed(device_choice: str) -> tuple[bool, int, int, int, torch.device]:
@@ -305,6 +376,8 @@ def setup_distributed(device_choice: str) -> tuple[bool, int, int, int, torch.de
     ddp = "RANK" in os.environ
     if not ddp:
         refuse_srun_without_torchrun(os.environ)
+    else:
+        refuse_elastic_nnodes(launcher_args())
     local_rank = int(os.environ.get("LOCAL_RANK", 0)) if ddp else 0
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if not ddp:
@@ -330,6 +403,34 @@ def refuse_srun_without_torchrun(env) -> None:
             "torchrun per node instead: srun --ntasks-per-node=1 torchrun "
             "--nnodes=$SLURM_NNODES --nproc_per_node=<GPUs per node> ... "
             "-m utils.train_cifar10 ...")
+
+
+def launcher_args() -> list[str]:
+    """The command line of the process that started this one (torchrun's agent), where
+    ``/proc`` shows it (Linux); ``[]`` elsewhere."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def refuse_elastic_nnodes(argv: list[str]) -> None:
+    """``torchrun --nnodes=MIN:MAX`` with ``MIN < MAX``: an elastic job, whose world
+    size may change at a restart (a node lost or added), and with it each process's
+    share of ``--global-batch``, mid-epoch. This script resumes on another number of
+    processes only from a checkpoint, in a new job: refuse at once."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == "--nnodes" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--nnodes="):
+            value = arg.split("=", 1)[1]
+    if value and ":" in value and len(set(value.split(":"))) > 1:
+        raise SystemExit(f"error: torchrun --nnodes={value} starts an elastic job, "
+                         f"whose number of processes may change between attempts; this "
+                         f"script needs a fixed one: --nnodes=N (to go on with another "
+                         f"number, start a new job with --resume)")
 
 
 def prepare_data(args, local_rank: int, ddp: bool) -> None:
@@ -485,14 +586,20 @@ class EpochSampler(ShardSampler):
 # --- checkpoints ----------------------------------------------------------------------
 
 def save_checkpoint(path: str, state: dict) -> None:
-    """Write to a temporary file, flush it to disk, then rename it over ``path``.
+    """``torch.save`` to ``path`` atomically (``write_atomically``)."""
+    write_atomically(path, lambda f: torch.save(state, f))
 
-    The old checkpoint survives a crash at any point, and once this returns the new one
+
+def write_atomically(path: str, write) -> None:
+    """``write(f)`` into a temporary file, flush it to disk, then rename it over
+    ``path``.
+
+    The old file survives a crash at any point, and once this returns the new one
     survives a power cut: the folder is flushed too, so the rename itself is on disk."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -526,11 +633,14 @@ RUN_SETTINGS = ("model", "epochs", "global_batch", "lr", "momentum", "weight_dec
 LEGACY_SETTINGS = {"loader": "workers"}
 
 
-def run_config(args, data_size: int, loader: str) -> dict:
-    return {"model": args.model, "epochs": args.epochs,
-            "global_batch": args.global_batch, "lr": args.lr,
-            "momentum": args.momentum, "weight_decay": args.weight_decay,
-            "seed": args.seed, "data_size": data_size, "loader": loader}
+def run_config(args, data_size: int | None = None, loader: str | None = None) -> dict:
+    """What a resumed run must repeat (without the data's size or the loader, before
+    they are known: what the command line alone says)."""
+    config = {"model": args.model, "epochs": args.epochs,
+              "global_batch": args.global_batch, "lr": args.lr,
+              "momentum": args.momentum, "weight_decay": args.weight_decay,
+              "seed": args.seed, "data_size": data_size, "loader": loader}
+    return {k: v for k, v in config.items() if v is not None}
 
 
 def load_checkpoint(path: str, config: dict) -> dict:
@@ -560,9 +670,8 @@ def load_checkpoint(path: str, config: dict) -> dict:
                          f"({state['format']}, this one reads {FORMAT}); "
                          f"start a new run with another --out")
     saved = {**LEGACY_SETTINGS, **state["config"]}
-    config = {**LEGACY_SETTINGS, **config}
     changed = [f"--{k.replace('_', '-')} {config[k]} (checkpoint: {saved.get(k)})"
-               for k in RUN_SETTINGS if saved.get(k) != config[k]]
+               for k in RUN_SETTINGS if k in config and saved.get(k) != config[k]]
     if changed:
         raise SystemExit(f"error: cannot resume {path}: "
                          + ", ".join(changed).replace("--data-size", "data set size")
@@ -630,14 +739,18 @@ def main(argv=None) -> None:
         return
     if args.deterministic:
         use_deterministic_algorithms()
-    job = set_up_job(args)
-    data = build_data(args, job)
-    model, optimizer, scheduler = build_model(args, data.steps_per_epoch)
-    training = resume_or_start(args, job, data, model, optimizer, scheduler)
-    model = wrap_model(args, job, training)
-    metrics = start_log(args, job, data)
-    train(args, job, data, training, model, metrics)
-    finish(args, job, training, metrics)
+    with Preemption() as preemption:  # SIGTERM, SIGUSR1: stop at an agreed step
+        job = set_up_job(args)
+        job.preemption = preemption
+        data = build_data(args, job)
+        model, optimizer, scheduler = build_model(args, data.steps_per_epoch)
+        training = resume_or_start(args, job, data, model, optimizer, scheduler)
+        model = wrap_model(args, job, training)
+        metrics = start_log(args, job, data)
+        train(args, job, data, training, model, metrics)
+        finish(args, job, training, metrics)
+    if training.stop_signal:
+        raise SystemExit(EXIT_PREEMPTED)
 
 
 def prepare_only(args) -> None:
@@ -672,6 +785,8 @@ class Job:
     device: torch.device
     batch_size: int  # this process's share of --global-batch
     channels_last: bool
+    control: object = None  # the group preemption flags go over (None: the default)
+    preemption: Preemption | None = None  # its flag; None: never stop for a signal
 
     @property
     def cuda(self) -> bool:
@@ -694,10 +809,22 @@ def set_up_job(args) -> Job:
         raise SystemExit("error: --amp and --sync-bn need CUDA; this run is on the CPU")
     if args.compile:
         check_compile(device)
+    if cuda and not args.deterministic:
+        # the fastest convolution algorithms for these shapes (every batch has the same
+        # shape), timed once; they may differ from run to run, so not with
+        # --deterministic
+        torch.backends.cudnn.benchmark = True
+    if args.resume and args.global_batch % world_size:
+        # a resume whose settings differ from its checkpoint's is refused for that
+        # first: the global batch to split is the checkpoint's
+        agree_on_resume(os.path.join(args.out, CHECKPOINT), run_config(args), rank, ddp)
     batch_size = per_process_batch(args.global_batch, world_size)
     channels_last = args.channels_last == "yes" or (args.channels_last == "auto"
                                                     and cuda)
-    return Job(ddp, rank, local_rank, world_size, device, batch_size, channels_last)
+    # preemption flags are agreed on over gloo: a CPU tensor, no wait for the GPU
+    control = dist.new_group(backend="gloo") if ddp and cuda else None
+    return Job(ddp, rank, local_rank, world_size, device, batch_size, channels_last,
+               control)
 
 
 @dataclass
@@ -790,6 +917,23 @@ class Training:
     epoch: int = 0
     step_in_epoch: int = 0
     step: int = 0  # over all epochs
+    scaler: object = None  # --amp fp16's GradScaler (disabled otherwise)
+    # the epoch's loss so far: before this process started (from the checkpoint: the
+    # sum of the global batches' mean losses, and their number), and this rank's since
+    loss_before: float = 0.0
+    steps_before: int = 0
+    loss_sum: torch.Tensor | None = None  # on the device
+    steps_run: int = 0
+    saved_step: int | None = None  # the step of the checkpoint at ``path``
+    stop_signal: int = 0  # the signal the ranks agreed to stop on (0: none)
+
+    def epoch_loss(self, world_size: int) -> tuple[float, int]:
+        """``(sum of the global batches' mean losses, their number)`` for the epoch so
+        far, on every rank (a collective)."""
+        mine = 0.0 if self.loss_sum is None else float(self.loss_sum)
+        (total,) = sum_over_ranks(mine)
+        return (self.loss_before + total / world_size,
+                self.steps_before + self.steps_run)
 
 
 def resume_or_start(args, job: Job, data: Data, model: nn.Module, optimizer,
@@ -799,9 +943,12 @@ def resume_or_start(args, job: Job, data: Data, model: nn.Module, optimizer,
     os.makedirs(args.out, exist_ok=True)
     training = Training(model, optimizer, scheduler,
                         os.path.join(args.out, CHECKPOINT),
-                        run_config(args, len(data.train_set), data.loader))
+                        run_config(args, len(data.train_set), data.loader),
+                        scaler=grad_scaler(args.amp == "fp16"))
     state = (agree_on_resume(training.path, training.config, job.rank, job.ddp)
              if args.resume else None)
+    if job.master and os.path.exists(os.path.join(args.out, PREEMPTED)):
+        os.remove(os.path.join(args.out, PREEMPTED))  # this run goes on from it
     if args.resume and state is None and job.master:
         print(f"--resume: rank 0 found no checkpoint at {training.path}; "
               f"starting from step 0", flush=True)
@@ -809,6 +956,11 @@ def resume_or_start(args, job: Job, data: Data, model: nn.Module, optimizer,
         model.load_state_dict(state["model"])
         training.epoch, training.step_in_epoch, training.step = (
             state["epoch"], state["step_in_epoch"], state["step"])
+        training.saved_step = state["step"]
+        # (checkpoints written before the epoch's loss was saved: from here on only)
+        training.loss_before, training.steps_before = state.get("epoch_loss", (0.0, 0))
+        if args.amp == "fp16" and state.get("scaler"):
+            training.scaler.load_state_dict(state["scaler"])
     training.model = model.to(job.device, memory_format=job.memory_format)
     if state is not None:
         # after .to(device): moves its buffers there too
@@ -819,6 +971,14 @@ def resume_or_start(args, job: Job, data: Data, model: nn.Module, optimizer,
                   f"{training.step_in_epoch} of the epoch ({training.step} in all)",
                   flush=True)
     return training
+
+
+def grad_scaler(enabled: bool):
+    """``--amp fp16``'s loss scaler: fp16 gradients underflow without it. Disabled, its
+    calls pass through."""
+    if hasattr(torch, "amp") and hasattr(torch.amp, "GradScaler"):  # torch >= 2.3
+        return torch.amp.GradScaler("cuda", enabled=enabled)
+    return torch.cuda.amp.GradScaler(enabled=enabled)
 
 
 def wrap_model(args, job: Job, training: Training) -> nn.Module:
@@ -841,18 +1001,49 @@ def wrap_model(args, job: Job, training: Training) -> nn.Module:
     return model
 
 
-def save(training: Training, job: Job) -> None:
+def save(args, training: Training, job: Job) -> None:
     """Rank 0 writes the checkpoint; every rank waits for it."""
+    # mid-epoch, the epoch's loss so far (a collective: on every rank)
+    epoch_loss = (training.epoch_loss(job.world_size) if training.step_in_epoch
+                  else (0.0, 0))
     if job.master:
+        keep_older(args, training)
         save_checkpoint(training.path, {
             "format": FORMAT, "model": training.model.state_dict(),
             "optimizer": training.optimizer.state_dict(),
-            "scheduler": training.scheduler.state_dict(), "epoch": training.epoch,
+            # a bound method in OneCycleLR's state before torch 2.4: not loadable
+            # with weights_only=True, and the new scheduler has its own
+            "scheduler": {k: v for k, v in training.scheduler.state_dict().items()
+                          if not callable(v)},
+            "scaler": training.scaler.state_dict(), "epoch": training.epoch,
             "step_in_epoch": training.step_in_epoch, "step": training.step,
-            "world_size": job.world_size, "config": training.config})
+            "epoch_loss": list(epoch_loss), "world_size": job.world_size,
+            "config": training.config})
+        training.saved_step = training.step
     if job.ddp:
         # nobody runs ahead of a checkpoint that may be needed to restart them
         dist.barrier()
+
+
+def keep_older(args, training: Training) -> None:
+    """With ``--keep-checkpoints K > 1``, keep the checkpoint about to be replaced as
+    ``checkpoint-step<N>.pt`` (a hard link: no copy), and only the K-1 newest of
+    those."""
+    if (args.keep_checkpoints < 2 or training.saved_step in (None, training.step)
+            or not os.path.exists(training.path)):
+        return
+    folder = os.path.dirname(training.path)
+    older = os.path.join(folder, f"checkpoint-step{training.saved_step}.pt")
+    if not os.path.exists(older):
+        try:
+            os.link(training.path, older)
+        except OSError:  # a file system without hard links
+            shutil.copyfile(training.path, older)
+    kept = sorted((int(name[len("checkpoint-step"):-3]), name)
+                  for name in os.listdir(folder)
+                  if re.fullmatch(r"checkpoint-step\d+\.pt", name))
+    for _, name in kept[:max(0, len(kept) - (args.keep_checkpoints - 1))]:
+        os.remove(os.path.join(folder, name))
 
 
 def start_log(args, job: Job, data: Data):
@@ -875,29 +1066,39 @@ def start_log(args, job: Job, data: Data):
 
 def train(args, job: Job, data: Data, training: Training, model: nn.Module,
           metrics) -> None:
-    """Epochs until ``--epochs``, or until ``--stop-at-step``."""
-    restarts = int(os.environ.get("TRAIN_CIFAR10_ATTEMPT", 0))
+    """Epochs until ``--epochs``, ``--stop-at-step``, or a signal the ranks agreed on
+    (``training.stop_signal``)."""
+    # --fail-at-step kills a rank in its node's first attempt only
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     while training.epoch < args.epochs:
         data.set_epoch(training.epoch, training.step_in_epoch, job.batch_size)
         totals = train_epoch(args, job, data, training, model, restarts)
         if totals is None:
             # stopped mid-epoch, as a job whose time ran out: save where it stands
-            save(training, job)
+            save(args, training, job)
+        else:
+            end_epoch(args, job, data, training, metrics, *totals)
+        if totals is None or training.step == args.stop_at_step or training.stop_signal:
             break
-        end_epoch(args, job, data, training, metrics, *totals)
-        if training.step == args.stop_at_step:
-            break
+    if training.stop_signal and job.master:
+        name = signal.Signals(training.stop_signal).name
+        write_atomically(os.path.join(args.out, PREEMPTED), lambda f: f.write(
+            json.dumps({"step": training.step, "signal": name}).encode()))
+        print(f"{name}: every rank stopped after step {training.step}, saved in "
+              f"{training.path}; exit code {EXIT_PREEMPTED}: resume with --resume",
+              flush=True)
 
 
 def train_epoch(args, job: Job, data: Data, training: Training, model: nn.Module,
-                restarts: int) -> tuple[float, int, int, float] | None:
-    """The rest of this epoch: ``(loss sum, steps, images, seconds)`` on this rank,
-    or ``None`` if ``--stop-at-step`` stopped it mid-epoch."""
+                restarts: int) -> tuple[int, float] | None:
+    """The rest of this epoch: ``(images, seconds)``, or ``None`` if
+    ``--stop-at-step`` or a signal stopped it mid-epoch."""
     bar = progress_bar(args, job, data, training)
-    t0, seen, steps_run = time.perf_counter(), 0, 0
+    t0, seen = time.perf_counter(), 0
     # summed on the device (float64: the same sum as in Python floats); reading it
     # would make the host wait for the GPU, so it is read every --log-every steps
-    loss_sum = torch.zeros((), dtype=torch.float64, device=job.device)
+    training.loss_sum = torch.zeros((), dtype=torch.float64, device=job.device)
+    training.steps_run = 0
     logged = (0.0, 0)  # the sum and the number of steps when last read
     for x, y in data.train_loader:
         if (training.step + 1 == args.fail_at_step and job.rank == job.world_size - 1
@@ -907,30 +1108,74 @@ def train_epoch(args, job: Job, data: Data, training: Training, model: nn.Module
         loss = train_step(args, job, training, model, x, y)
         training.step, training.step_in_epoch = (training.step + 1,
                                                  training.step_in_epoch + 1)
-        steps_run += 1
+        training.steps_run += 1
         seen += len(x) * job.world_size
-        loss_sum += loss.detach()
+        training.loss_sum += loss.detach()
         if bar is not None:
-            if (steps_run % args.log_every == 0
-                    or training.step_in_epoch == data.steps_per_epoch):
-                total = float(loss_sum)  # waits for the GPU: every N steps only
-                bar.set_postfix(
-                    loss=f"{(total - logged[0]) / (steps_run - logged[1]):.3f}",
-                    img_s=f"{seen / (time.perf_counter() - t0):.0f}")
-                logged = (total, steps_run)
-            bar.update(1)
+            logged = show_progress(args, data, training, bar, logged, seen, t0)
         if (args.checkpoint_every and training.step % args.checkpoint_every == 0
                 and training.step_in_epoch < data.steps_per_epoch):
-            save(training, job)
-        if training.step == args.stop_at_step:
+            save(args, training, job)
+        training.stop_signal = job.preemption.agreed(job) if job.preemption else 0
+        if training.step == args.stop_at_step or training.stop_signal:
             break
     if bar is not None:
         bar.close()
-    if (training.step == args.stop_at_step
-            and training.step_in_epoch < data.steps_per_epoch):
+    if training.step_in_epoch < data.steps_per_epoch:
         return None
-    local_loss = float(loss_sum)  # waits for the epoch's last step: then time it
-    return local_loss, steps_run, seen, time.perf_counter() - t0
+    training.loss_sum.item()  # waits for the epoch's last step: then time it
+    return seen, time.perf_counter() - t0
+
+
+def show_progress(args, data: Data, training: Training, bar, logged, seen: int,
+                  t0: float) -> tuple[float, int]:
+    """Advance the bar; every ``--log-every`` steps (and at the epoch's end) read the
+    loss from the device and show its mean since the last read, and images/s."""
+    if (training.steps_run % args.log_every == 0
+            or training.step_in_epoch == data.steps_per_epoch):
+        total = float(training.loss_sum)  # waits for the GPU: every N steps only
+        bar.set_postfix(
+            loss=f"{(total - logged[0]) / (training.steps_run - logged[1]):.3f}",
+            img_s=f"{seen / (time.perf_counter() - t0):.0f}")
+        logged = (total, training.steps_run)
+    bar.update(1)
+    return logged
+
+
+class Preemption:
+    """SIGTERM and SIGUSR1 (what a scheduler sends before it kills a job) set a flag;
+    after every step the ranks agree on it, so that all stop after the same step, write
+    one checkpoint and exit with ``EXIT_PREEMPTED``.
+
+    The handlers are installed for the run only, in the main thread (where Python
+    allows them), and the previous ones restored after."""
+
+    def __init__(self):
+        self.signal = 0
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for name in ("SIGTERM", "SIGUSR1"):  # no SIGUSR1 on Windows
+                if hasattr(signal, name):
+                    sig = getattr(signal, name)
+                    self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _note(self, signum, frame) -> None:
+        self.signal = self.signal or signum
+
+    def agreed(self, job) -> int:
+        """The signal any rank has received (0 if none), the same on every rank."""
+        if not job.ddp:
+            return self.signal
+        flag = torch.tensor([self.signal], dtype=torch.int64)  # on the CPU: gloo
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=job.control)
+        return int(flag)
 
 
 def progress_bar(args, job: Job, data: Data, training: Training):
@@ -953,25 +1198,31 @@ def train_step(args, job: Job, training: Training, model: nn.Module, x, y):
     # no-ops for the GPU loader's batches, already there in this format
     x = x.to(job.device, non_blocking=True, memory_format=job.memory_format)
     y = y.to(job.device, non_blocking=True)
-    with torch.autocast(job.device.type, dtype=torch.bfloat16, enabled=args.amp):
+    dtype = torch.float16 if args.amp == "fp16" else torch.bfloat16
+    with torch.autocast(job.device.type, dtype=dtype, enabled=args.amp is not None):
         loss = F.cross_entropy(model(x), y)
     training.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    training.optimizer.step()
+    # the scaler (--amp fp16) multiplies the loss so that small gradients survive in
+    # fp16, and divides them again before the step (which it skips on inf or NaN)
+    training.scaler.scale(loss).backward()
+    training.scaler.step(training.optimizer)
+    training.scaler.update()
     training.scheduler.step()
     return loss
 
 
-def end_epoch(args, job: Job, data: Data, training: Training, metrics,
-              local_loss: float, steps_run: int, seen: int, elapsed: float) -> None:
+def end_epoch(args, job: Job, data: Data, training: Training, metrics, seen: int,
+              elapsed: float) -> None:
     """Test accuracy, a checkpoint at the epoch's end, and rank 0's metrics line."""
-    train_loss = sum_over_ranks(local_loss, max(steps_run, 1))
+    # the mean over the epoch's global batches, those before a resume included
+    loss, steps = training.epoch_loss(job.world_size)
+    training.loss_before, training.steps_before = 0.0, 0
     accuracy = evaluate(training.model, data.test_loader, job.device)
     training.epoch, training.step_in_epoch = training.epoch + 1, 0
-    save(training, job)
+    save(args, training, job)
     if job.master:
         record = {"epoch": training.epoch, "step": training.step,
-                  "train_loss": round(train_loss[0] / train_loss[1], 4),
+                  "train_loss": round(loss / max(steps, 1), 4),
                   "test_accuracy": round(accuracy, 4),
                   "images_per_s": round(seen / elapsed, 1),
                   "epoch_seconds": round(elapsed, 2), "world_size": job.world_size,
