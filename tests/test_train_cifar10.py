@@ -127,10 +127,13 @@ def test_two_ranks_equal_one_process_on_the_same_global_batches(data, two_ranks,
 
 
 # torchrun runs this file in place of the script: in its node's second attempt, rank 1 dies
-# before anything, as a rank with a bad GPU dies at set_device, before it joins any store
+# before it joins the group, as a rank whose GPU fails at set_device: late enough for rank 0 to
+# have started (a rank that dies at once takes the others down before they start)
 DIES_BEFORE_INIT = """
-import os, runpy
+import os, runpy, time
 if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "1":
+    import torch
+    time.sleep(5)
     os._exit(1)
 runpy.run_module("utils.train_cifar10", run_name="__main__")
 """

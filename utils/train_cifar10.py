@@ -44,6 +44,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -352,12 +353,15 @@ def attempt_store(shared, host: str, rank: int, world_size: int):
             raise SystemExit(published)
         address, port, token = published.rsplit(":", 2)
         try:
+            # a quiet look first: a dead attempt's port refuses at once, where a
+            # TCPStore client would retry, and log each try
+            socket.create_connection((address, int(port)), timeout=2).close()
             store = dist.TCPStore(address, int(port), world_size, False,
                                   timeout=timedelta(seconds=2))
             if store.get("token").decode() == token:
                 store.set_timeout(timedelta(seconds=FIND_STORE_SECONDS))
                 return store, int(token.split("-")[0])
-        except RuntimeError:  # no store there (DistStoreError), or not ours
+        except (OSError, RuntimeError):  # no store there, or not ours
             pass
         time.sleep(0.2)
     raise SystemExit(f"error: rank {rank} found no store from this attempt's rank 0 "
