@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -112,7 +113,7 @@ def test_two_nodes_train_to_the_end_with_a_log_per_node_and_no_requeue(staged, t
     assert "-w node1 hostname --ip-address" in lookup
     assert "--ntasks-per-node=1" in copy and (local / "cifar-10-batches-py").is_dir()
     # the job's --cpus-per-task reaches srun (Slurm >= 22.05 needs SRUN_CPUS_PER_TASK for it)
-    assert training.startswith("cpus-per-task=1 ") and "--kill-on-bad-exit=1" in training
+    assert training.startswith("cpus-per-task=1 ") and "--kill-on-bad-exit=0 --wait=60" in training
     logs = out / "logs"
     node1, node2 = (logs / f"cifar10-4242-{node}.out" for node in ("node1", "node2"))
     assert node1.read_text().startswith("== node1: node 0 of 2, job 4242")
@@ -143,3 +144,56 @@ def test_a_failed_run_is_not_requeued_even_with_a_preemption_file_left_from_befo
     assert "error: training failed" in done.stderr and "not requeued" in done.stderr
     assert requeues(tmp_path) == [] and not (out / "model_final.pt").exists()
     assert "does not split evenly" in (out / "logs" / "cifar10-4242-node1.out").read_text()
+
+
+def training_srun(job_pid):
+    """The fake srun of the job's training step (the one with --wait=60)."""
+    for pid in process_tree(job_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(arg.endswith(b"fake_slurm/srun") for arg in argv) and b"--wait=60" in argv:
+            return pid
+    return None
+
+
+def test_a_signalled_job_saves_requeues_itself_and_the_requeued_job_finishes(tmp_path):
+    """Slurm's --signal=USR1@120: SIGUSR1 to the training step (here the fake srun, which passes it to
+    each node's torchrun, which passes it to its ranks) stops every rank after one agreed step with a
+    checkpoint; the job requeues itself; the requeued job (same job id) resumes and finishes."""
+    data = stage(tmp_path / "data", train=2560)  # 40 steps an epoch: time for the signal to land
+    env = job_env(tmp_path, data, EPOCHS="2",
+                  TRAIN_ARGS="--device cpu --global-batch 64 --workers 0 --checkpoint-every 5")
+    out = tmp_path / "out"
+    job = subprocess.Popen(["bash", str(SBATCH)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not (out / "checkpoint.pt").exists():  # after step 5
+            assert job.poll() is None and time.monotonic() < deadline, "no checkpoint"
+            time.sleep(0.05)
+        os.kill(training_srun(job.pid), signal.SIGUSR1)
+        stdout, stderr = job.communicate(timeout=TIMEOUT)
+    finally:
+        if job.poll() is None:
+            for pid in process_tree(job.pid):
+                os.kill(pid, signal.SIGKILL)
+    assert job.returncode == 0, stdout + stderr
+    stopped = json.loads((out / "preempted.json").read_text())
+    assert stopped["signal"] == "SIGUSR1" and 5 <= stopped["step"] < 80
+    assert "preempted (" in stdout and requeues(tmp_path) == ["requeue 4242"]
+    assert not (out / "model_final.pt").exists()
+    assert f"SIGUSR1: every rank stopped after step {stopped['step']}" in (
+        out / "logs" / "cifar10-4242-node1.out").read_text()
+
+    # Slurm starts the requeued job with the same id, on the same or other nodes
+    done = sbatch({**env, "SLURM_RESTART_COUNT": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "job 4242 (restart 1)" in done.stdout and "done:" in done.stdout
+    assert (out / "model_final.pt").exists() and not (out / "preempted.json").exists()
+    assert requeues(tmp_path) == ["requeue 4242"]
+    node1 = (out / "logs" / "cifar10-4242-node1.out").read_text()
+    assert f"resumed from {out / 'checkpoint.pt'}" in node1
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["epoch"] == 2 and last["step"] == 80 and last["world_size"] == 2
