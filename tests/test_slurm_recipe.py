@@ -1,7 +1,8 @@
 """examples/slurm/train_cifar10.sbatch, run as Slurm would run it on two nodes, with the fake srun and
 scontrol of tests/fake_slurm: every task runs on this machine, the two "nodes" meet on 127.0.0.1, and
 train on the CPU (gloo). The data is staged first, as on a login node; the job trains to the end; a job
-with no staged data stops before it starts anything; a job that fails is not requeued."""
+with no staged data stops before it starts anything; a job that fails is not requeued; a job signalled
+as Slurm does before its time limit saves, requeues itself, and the requeued job finishes."""
 
 import json
 import os
