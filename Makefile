@@ -93,8 +93,8 @@ SPAWN_TESTS = PYTHONPATH=$(CURDIR)/tests/start_method BOOK_START_METHOD=spawn \
 test-notebooks-spawn: $(STAMP)
 	$(SPAWN_TESTS)
 
-## make gpu-check: on a CUDA machine, the nccl paths on all local GPUs, the training script under
-## torchrun with a rank killed and restarted, then `make test`; writes book/results/gpu_check_<gpu>.json
+## make gpu-check: on a CUDA machine, nccl on all local GPUs; the training script under torchrun (killed and restarted,
+## workers, --compile, fp16, on fewer GPUs, as 2 nodes), then `make test`; writes book/results/gpu_check_<gpu>.json
 gpu-check: $(STAMP)
 	$(BIN)/python -m utils.gpu_check --make-test
 

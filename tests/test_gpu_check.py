@@ -1,8 +1,16 @@
 """`make gpu-check`: its collective checks are real (they pass on CPU ranks with gloo, and fail when
-the thing they check is broken); without CUDA it says so, writes nothing and exits 0."""
+the thing they check is broken); without CUDA it says so, writes nothing and exits 0. What needs a GPU
+is decided by plain functions tested here: which checks run on how many GPUs and what the results file
+lists as not checked, the op names read from "no deterministic implementation" warnings and the
+allow-list's verdict, the CUDA_VISIBLE_DEVICES split and the torchrun command lines of two nodes. The
+multi-rank training checks (resume on fewer ranks, two nodes) also run for real on gloo ranks; the
+whole check runs on a pretend GPU machine with torchrun replaced by a stand-in."""
 
+import functools
 import json
 import os
+import sys
+import time
 import types
 
 import pytest
@@ -41,46 +49,356 @@ def test_without_cuda_it_says_so_and_exits_0(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
-def fake_torchrun(differ=False, fail=None):
-    """Stands in for torchrun: writes what the script would (final weights, metrics)."""
-    def run(nproc, args, extra=(), timeout=0):
+# --- what runs where ----------------------------------------------------------------------------------
+
+def test_on_one_gpu_the_multi_rank_checks_are_listed_as_not_checked_with_their_reason():
+    checks, not_checked = gpu_check.plan(1)
+    assert checks == ["collectives", "training", "loader_workers", "compile", "amp_fp16"]
+    assert "resume on fewer GPUs: needs 2 GPUs" in not_checked
+    assert any(line.startswith("two nodes (") and line.endswith("needs 2 GPUs") for line in not_checked)
+    assert any(line.startswith("collectives over several ranks: needs 2 GPUs") for line in not_checked)
+    assert any(line.startswith("training over several ranks") for line in not_checked)
+    assert gpu_check.SEVERAL_MACHINES in not_checked  # two torchruns on one machine are not two machines
+    assert any(line.startswith("make test: not asked") for line in not_checked)
+
+
+@pytest.mark.parametrize("gpus", [2, 3, 8])
+def test_with_several_gpus_every_check_runs(gpus):
+    checks, not_checked = gpu_check.plan(gpus, make_test=True)
+    assert checks == ["collectives", "training", "loader_workers", "compile", "amp_fp16",
+                      "resume_on_fewer_gpus", "two_nodes", "make_test"]
+    assert not_checked == [gpu_check.SEVERAL_MACHINES]
+    assert set(checks) <= set(gpu_check.CHECKS)
+
+
+def test_compile_and_fp16_where_unavailable_are_recorded_with_the_reason():
+    checks, not_checked = gpu_check.plan(4, "needs Triton", "not in this version of utils.train_cifar10")
+    assert "compile" not in checks and "amp_fp16" not in checks
+    assert "--compile: needs Triton" in not_checked
+    assert "--amp fp16: not in this version of utils.train_cifar10" in not_checked
+
+
+def test_compile_unavailable_gives_the_scripts_reason(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    assert gpu_check.compile_unavailable() == (None if real("triton") else gpu_check.compile_unavailable())
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    reason = gpu_check.compile_unavailable()
+    assert reason.startswith("--compile on CUDA needs Triton")
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)
+    assert "does not support this Python" in gpu_check.compile_unavailable()
+
+
+def test_amp_fp16_is_checked_exactly_when_the_script_takes_the_option(monkeypatch):
+    import contextlib
+    import io
+
+    import utils.train_cifar10 as script
+
+    help_text = io.StringIO()
+    with contextlib.redirect_stdout(help_text), pytest.raises(SystemExit):
+        script.parse_args(["--help"])
+    assert (gpu_check.amp_fp16_unavailable() is None) == ("fp16" in help_text.getvalue())
+
+    monkeypatch.setattr(script, "parse_args", lambda argv: types.SimpleNamespace(amp=argv[-1]))
+    assert gpu_check.amp_fp16_unavailable() is None
+
+    def old_parser(argv):  # --amp without a value: argparse stops on "fp16"
+        print("usage: ... unrecognized arguments: fp16", file=sys.stderr)
+        raise SystemExit(2)
+
+    monkeypatch.setattr(script, "parse_args", old_parser)
+    assert gpu_check.amp_fp16_unavailable() == "not in this version of utils.train_cifar10"
+
+
+# --- ops without a deterministic kernel ---------------------------------------------------------------
+
+STDERR = """\
+[rank0]:/x/torch/autograd/graph.py:829: UserWarning: adaptive_avg_pool2d_backward_cuda does not have a \
+deterministic implementation, but you set 'torch.use_deterministic_algorithms(True, warn_only=True)'. \
+You can file an issue at https://github.com/pytorch/pytorch/issues (Triggered internally at Context.cpp:96.)
+  return Variable._execution_engine.run_backward(
+[W710 10:11:12.000 Context.cpp:96] Warning: scatter_add_cuda_kernel does not have a deterministic \
+implementation, but you set 'torch.use_deterministic_algorithms(True, warn_only=True)'.
+/x/utils/foo.py:3: UserWarning: adaptive_avg_pool2d_backward_cuda does not have a deterministic implementation
+index_add_cuda_ does not have a deterministic implementation, but you set ...
+UserWarning: something else entirely
+"""
+
+
+def test_the_op_names_are_read_from_the_warnings_whatever_the_prefix():
+    assert gpu_check.nondeterministic_ops(STDERR) == ["adaptive_avg_pool2d_backward_cuda", "index_add_cuda_",
+                                                      "scatter_add_cuda_kernel"]
+    assert gpu_check.nondeterministic_ops("all fine\n") == []
+
+
+def test_an_op_off_the_allow_list_fails_and_every_op_seen_is_listed():
+    checks = {"training": {"runs": {"uninterrupted": {"nondeterministic_ops": ["a_cuda", "b_cuda"]},
+                                    "speed": {"nondeterministic_ops": []}}},
+              "two_nodes": {"runs": {"node1": {"nondeterministic_ops": ["b_cuda"]}}},
+              "collectives": {"per_rank": [], "passed": True}}
+    verdict = gpu_check.nondeterminism_verdict(checks, allowed={"b_cuda": "why b is tolerated"})
+    assert verdict == {"seen": {"a_cuda": ["training/uninterrupted"],
+                                "b_cuda": ["training/uninterrupted", "two_nodes/node1"]},
+                       "allowed": {"b_cuda": "why b is tolerated"}, "unexpected": ["a_cuda"], "passed": False}
+    allowed = {"a_cuda": "why a is", "b_cuda": "why b is"}
+    assert gpu_check.nondeterminism_verdict(checks, allowed=allowed)["passed"] is True
+    assert gpu_check.nondeterminism_verdict({})["passed"] is True
+
+
+def test_every_allowed_op_says_why_it_is_tolerated():
+    for op, reason in gpu_check.ALLOWED_NONDETERMINISTIC_OPS.items():
+        assert op and " " not in op and isinstance(reason, str) and len(reason) > 20
+
+
+# --- two nodes, fewer GPUs: the numbers and the command lines -----------------------------------------
+
+def test_the_gpus_are_split_between_the_nodes_as_the_parent_sees_them():
+    assert gpu_check.visible_devices({}, 4) == ["0", "1", "2", "3"]
+    assert gpu_check.visible_devices({"CUDA_VISIBLE_DEVICES": "4,5, 6,7"}, 4) == ["4", "5", "6", "7"]
+    assert gpu_check.visible_devices({"CUDA_VISIBLE_DEVICES": "GPU-a1,GPU-b2,GPU-c3"}, 2) == ["GPU-a1", "GPU-b2"]
+    # the global batch (128 per GPU) must split over the two nodes' ranks
+    assert [gpu_check.gpus_per_node(n, 128 * n) for n in (1, 2, 3, 4, 7, 8)] == [None, 1, 1, 2, 2, 4]
+    assert [gpu_check.fewer_gpus(n, 128 * n) for n in (1, 2, 3, 4, 7, 8)] == [None, 1, 2, 2, 4, 4]
+
+
+def test_the_two_torchruns_form_one_job_with_a_static_rendezvous():
+    launches = gpu_check.two_node_launches(["4", "5", "6", "7"], 2, 29511, [["--out", "a"], ["--out", "b"]])
+    for node, (cmd, env) in enumerate(launches):
+        assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+        assert cmd[3:8] == ["--nnodes=2", f"--node-rank={node}", "--master-addr=127.0.0.1",
+                            "--master-port=29511", "--nproc_per_node=2"]
+        assert cmd[8:] == ["-m", "utils.train_cifar10", "--out", "ab"[node]]
+        assert not any(c.startswith("--rdzv") or c == "--standalone" for c in cmd)
+    assert [env for _, env in launches] == [{"CUDA_VISIBLE_DEVICES": "4,5"}, {"CUDA_VISIBLE_DEVICES": "6,7"}]
+    assert gpu_check.torchrun_command(3, ["--x"]) == [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                      "--nproc_per_node=3", "-m", "utils.train_cifar10", "--x"]
+
+
+def test_the_runs_arguments():
+    common = gpu_check.common_args(8, "/w")
+    assert "--global-batch 1024" in " ".join(common)  # 128 per GPU: splits over any number of GPUs
+    assert "--synthetic-size 40960 2048" in " ".join(common) and "--checkpoint-every 10" in " ".join(common)
+    assert gpu_check.break_step(common) == 25  # after the checkpoint at step 20
+    fp16 = gpu_check._with(common, "--amp", "fp16")
+    assert fp16[fp16.index("--amp"):][:3] == ["--amp", "fp16", "--sync-bn"]
+    assert gpu_check._with(fp16, "--amp", "bf16").count("fp16") == 0
+    assert gpu_check._with(common, "--data", "/n1")[:2] == ["--data", "/n1"]
+    cpu = gpu_check.common_args(2, "/w", "cpu")
+    assert "--amp" not in cpu and gpu_check.break_step(cpu) == 5 and gpu_check._arg(cpu, "--device") == "cpu"
+
+
+LIKE_TORCHRUN = """
+import subprocess, sys, time
+# a rank in a session of its own, as torchrun starts them
+rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+print(rank.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_processes_are_run_together_and_killed_with_their_ranks_at_the_timeout():
+    import psutil
+
+    python = sys.executable
+    t0 = time.perf_counter()
+    results = gpu_check._run_processes([([python, "-c", "import os; print(os.environ['X'])"], {"X": "one"}),
+                                        ([python, "-c", "import sys; sys.exit('two')"], {})], timeout=60)
+    assert results == [(0, "one\n", ""), (1, "", "two\n")]
+    results = gpu_check._run_processes([([python, "-c", "print('x' * 200000, flush=True)"], {}),
+                                        ([python, "-c", LIKE_TORCHRUN], {})], timeout=3)
+    assert results[0] == (0, "x" * 200000 + "\n", "")  # more than a pipe holds
+    assert results[1][0] == -9 and results[1][2].endswith("(gpu-check: stopped, still running at the time limit)")
+    rank = int(results[1][1])
+    time.sleep(0.5)
+    assert not psutil.pid_exists(rank) or psutil.Process(rank).status() == psutil.STATUS_ZOMBIE
+    assert time.perf_counter() - t0 < 30
+
+
+def test_when_one_node_fails_the_other_is_stopped_after_a_grace_period(monkeypatch):
+    monkeypatch.setattr(gpu_check, "FAILED_NODE_GRACE", 1)
+    t0 = time.perf_counter()
+    results = gpu_check._run_processes([([sys.executable, "-c", "import sys; sys.exit(3)"], {}),
+                                        ([sys.executable, "-c", "import time; time.sleep(60)"], {})], timeout=60)
+    assert [r[0] for r in results] == [3, -9] and time.perf_counter() - t0 < 20
+
+
+# --- the multi-rank training checks, for real on gloo ranks -------------------------------------------
+
+def test_resume_on_fewer_ranks_and_two_nodes_on_gloo_ranks(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    work = str(tmp_path)
+    fewer = gpu_check.fewer_gpus_check(2, work, device="cpu")
+    assert fewer["passed"], json.dumps(fewer, indent=1)[-4000:]
+    assert fewer["gpus"] == [2, 1] and fewer["resumed"] and fewer["ran_on_fewer"]
+    assert fewer["reference_run"] == "uninterrupted" and fewer["runs"]["uninterrupted"]["returncode"] == 0
+    assert fewer["relative_distance"] < 1e-3 and not fewer["runs"]["uninterrupted"]["nondeterministic_ops"]
+    nodes = gpu_check.two_nodes_check(2, work, device="cpu")
+    assert nodes["passed"], json.dumps(nodes, indent=1)[-4000:]
+    assert nodes["reference_run"].startswith("uninterrupted, from an earlier check") and "uninterrupted" not in nodes["runs"]
+    assert nodes["world_size"] == 2 and nodes["cuda_visible_devices"] == ["0", "1"]
+    for node in (0, 1):  # each node wrote its own data
+        assert os.path.isdir(tmp_path / "two_nodes" / f"node{node}" / "data" / "cifar-10-batches-py")
+    assert nodes["runs"]["node0"]["metrics"][-1]["world_size"] == 2 and "metrics" not in nodes["runs"]["node1"]
+
+
+# --- the whole check on a pretend GPU machine ---------------------------------------------------------
+
+@functools.lru_cache
+def initial_weights(model):
+    from utils.train_cifar10 import make_model
+
+    torch.manual_seed(0)
+    return make_model(model).state_dict()
+
+
+def fake_processes(differ=None, fail=(), warn=None):
+    """Stands in for the torchruns: each writes what the script would (checkpoint, final weights, metrics,
+    rank 0's lines). `differ`: {run: how far its final weights are moved}; `fail`: runs that exit 1;
+    `warn`: an op that warns in --deterministic runs."""
+    def one(cmd, env):
+        launch, args = cmd[:cmd.index("utils.train_cifar10")], cmd[cmd.index("utils.train_cifar10") + 1:]
+        nproc = int(next(c for c in launch if c.startswith("--nproc_per_node=")).split("=")[1])
+        nodes = 2 if "--nnodes=2" in launch else 1
         out = args[args.index("--out") + 1]
-        name = os.path.basename(out)
-        if name == fail:
+        name = os.path.basename(os.path.dirname(out)) if nodes == 2 else os.path.basename(out)
+        if name in fail:
             return 1, "", "Traceback ... RuntimeError: NCCL error"
+        stderr = (f"UserWarning: {warn} does not have a deterministic implementation, but ..."
+                  if warn and "--deterministic" in args else "")
+        if "--node-rank=1" in launch:
+            return 0, "", stderr
         os.makedirs(out, exist_ok=True)
-        weight = torch.ones(3) + (1e-7 if differ and name == "killed_and_restarted" else 0)
-        torch.save({"w": weight}, os.path.join(out, "model_final.pt"))
+        scaler = {"scale": 32768.0, "_growth_tracker": 7} if "fp16" in args else {}  # a GradScaler's, or off
+        torch.save({"model": {}, "scaler": scaler}, os.path.join(out, "checkpoint.pt"))
+        world, batch = nproc * nodes, int(args[args.index("--global-batch") + 1])
+        loader = "workers" if "workers" in args else "gpu"
+        stdout = (f"synthetic CIFAR-10 in x: ...; global batch {batch} = {batch // world} x {world}\n"
+                  f"loader: {loader} (...); channels_last: yes; compile: {'yes' if '--compile' in args else 'no'}\n")
+        if "--resume" in args:
+            stdout += "resumed from x: epoch 0, step 20 of the epoch (20 in all)\n"
+        if "--stop-at-step" in args:
+            return 0, stdout, stderr
+        model = args[args.index("--model") + 1]
+        offset = 0.01 + (differ or {}).get(name, 0)
+        torch.save({k: v + offset if v.is_floating_point() else v for k, v in initial_weights(model).items()},
+                   os.path.join(out, "model_final.pt"))
         with open(os.path.join(out, "metrics.jsonl"), "w") as f:
-            f.write(json.dumps({"epoch": 2, "images_per_s": 1234.5}) + "\n")
-        resumed = "resumed from x: epoch 0, step 20\n" if "--resume" in args else ""
-        return 0, resumed + "done", "UserWarning: foo_backward_cuda does not have a deterministic implementation"
-    return run
+            for epoch in (1, 2):
+                f.write(json.dumps({"epoch": epoch, "train_loss": 2.0 / epoch, "images_per_s": 1234.5,
+                                    "world_size": world, "loader": loader}) + "\n")
+        return 0, stdout, stderr
+
+    return lambda launches, timeout=0: [one(cmd, env) for cmd, env in launches]
 
 
-@pytest.mark.parametrize("differ, fail, passed", [(False, None, True), (True, None, False),
-                                                  (False, "killed_and_restarted", False)])
+@pytest.mark.parametrize("differ, fail, passed", [(None, (), True), ({"killed_and_restarted": 1e-5}, (), False),
+                                                  (None, ("killed_and_restarted",), False)])
 def test_the_training_verdict(tmp_path, monkeypatch, differ, fail, passed):
-    monkeypatch.setattr(gpu_check, "_torchrun", fake_torchrun(differ, fail))
+    monkeypatch.setattr(gpu_check, "_run_processes", fake_processes(differ, fail, warn="foo_backward_cuda"))
     result = gpu_check.training_checks(8, str(tmp_path))
     assert result["passed"] is passed
-    assert result["bit_identical_after_restart"] is (not differ and fail is None)
+    assert result["bit_identical_after_restart"] is (not differ and not fail)
     assert "--global-batch 1024" in result["command"]  # 128 per GPU: splits over any number of GPUs
-    if fail is None:
+    if not fail:
         assert result["runs"]["uninterrupted"]["nondeterministic_ops"] == ["foo_backward_cuda"]
-        assert result["train_images_per_s_last_epoch"] == 1234.5
+        assert result["runs"]["speed"]["nondeterministic_ops"] == []  # no --deterministic, no warning
+        assert result["train_images_per_s_last_epoch"] == 1234.5 and result["loaders"] == ["gpu"]
+        assert result["relative_distance_speed_run_to_deterministic"] == 0.0
 
 
-def test_the_results_file_on_a_pretend_gpu_machine(tmp_path, monkeypatch):
+def pretend_gpus(monkeypatch, count, **fake):
     props = types.SimpleNamespace(name="NVIDIA Pretend 80GB", total_memory=80 * 2**30, major=9, minor=0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
-    monkeypatch.setattr(gpu_check, "_torchrun", fake_torchrun())
+    monkeypatch.setattr(gpu_check, "_run_processes", fake_processes(**fake))
+    monkeypatch.setattr(gpu_check, "amp_fp16_unavailable", lambda: None)
     monkeypatch.setattr("utils.launch.run_distributed",
-                        lambda fn, n, *a, **k: [{"sum_over_ranks": True}, {"sum_over_ranks": False}])
-    assert gpu_check.main(["--out", str(tmp_path)]) == 1  # one rank's check failed
+                        lambda fn, n, *a, **k: [{"sum_over_ranks": True}] * n)
+
+
+def test_the_results_file_on_a_pretend_two_gpu_machine(tmp_path, monkeypatch):
+    pretend_gpus(monkeypatch, 2)
+    monkeypatch.setattr(gpu_check, "compile_unavailable", lambda: None)
+    assert gpu_check.main(["--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu_check_nvidia_pretend_80gb.json").read_text())
-    assert report["passed"] is False and report["checks"]["collectives"]["passed"] is False
-    assert report["checks"]["training"]["passed"] is True
+    assert {"check", "command", "date", "environment", "world_size", "not_checked", "checks", "passed"} <= set(report)
     assert report["environment"]["gpus"] == ["NVIDIA Pretend 80GB"] * 2 and report["date"]
+    assert report["not_checked"] == [gpu_check.SEVERAL_MACHINES,
+                                     "make test: not asked (--make-test; make gpu-check asks)"]
+    checks = report["checks"]
+    assert list(checks) == ["collectives", "training", "loader_workers", "compile", "amp_fp16",
+                            "resume_on_fewer_gpus", "two_nodes", "nondeterministic_ops"]
+    assert all(c["passed"] for c in checks.values()), {k: c for k, c in checks.items() if not c["passed"]}
+    assert checks["loader_workers"]["loaders"] == ["workers"] and checks["training"]["loaders"] == ["gpu"]
+    assert checks["amp_fp16"]["checkpoint_keys"] == ["model", "scaler"]
+    assert checks["amp_fp16"]["scaler_in_checkpoint"] == {"scale": 32768.0, "_growth_tracker": 7}
+    assert checks["amp_fp16"]["runs"]["fp16_uninterrupted"]["setup"]  # the fake's rank-0 lines were read
+    assert checks["compile"]["relative_distance_to_uncompiled_run"] == 0.0
+    assert checks["resume_on_fewer_gpus"]["gpus"] == [2, 1] and checks["resume_on_fewer_gpus"]["ran_on_fewer"]
+    assert checks["two_nodes"]["cuda_visible_devices"] == ["0", "1"]
+    assert checks["two_nodes"]["commands"][1].startswith("CUDA_VISIBLE_DEVICES=1 torchrun --nnodes=2 --node-rank=1")
+    assert checks["two_nodes"]["reference_run"] == "uninterrupted, from an earlier check (training)"
+    assert checks["nondeterministic_ops"] == {"seen": {}, "allowed": {}, "unexpected": [], "passed": True}
+
+
+def test_on_a_pretend_one_gpu_machine_the_file_says_what_was_not_checked(tmp_path, monkeypatch):
+    pretend_gpus(monkeypatch, 1, warn="foo_backward_cuda")
+    monkeypatch.setattr(gpu_check, "compile_unavailable", lambda: "--compile on CUDA needs Triton")
+    assert gpu_check.main(["--out", str(tmp_path)]) == 1  # an op off the allow-list warned
+    report = json.loads((tmp_path / "gpu_check_nvidia_pretend_80gb.json").read_text())
+    assert "resume on fewer GPUs: needs 2 GPUs" in report["not_checked"]
+    assert "--compile: --compile on CUDA needs Triton" in report["not_checked"]
+    assert list(report["checks"]) == ["collectives", "training", "loader_workers", "amp_fp16",
+                                      "nondeterministic_ops"]
+    verdict = report["checks"]["nondeterministic_ops"]
+    assert verdict["unexpected"] == ["foo_backward_cuda"] and not verdict["passed"]
+    assert verdict["seen"]["foo_backward_cuda"] == [
+        "training/uninterrupted", "training/killed_and_restarted", "loader_workers/workers_uninterrupted",
+        "loader_workers/workers_killed_and_restarted", "amp_fp16/fp16_uninterrupted",
+        "amp_fp16/fp16_killed_and_restarted"]
+    assert all(report["checks"][c]["passed"] for c in ("collectives", "training", "loader_workers", "amp_fp16"))
+    monkeypatch.setattr(gpu_check, "ALLOWED_NONDETERMINISTIC_OPS", {"foo_backward_cuda": "a reason, for the test"})
+    assert gpu_check.main(["--out", str(tmp_path)]) == 0
+
+
+def test_an_fp16_checkpoint_without_its_scaler_fails_the_fp16_check(tmp_path, monkeypatch):
+    fake = fake_processes()
+
+    def scaler_dropped(launches, timeout=0):
+        results = fake(launches)
+        for cmd, _ in launches:
+            out = cmd[cmd.index("--out") + 1]
+            state = torch.load(os.path.join(out, "checkpoint.pt"))
+            torch.save({**state, "scaler": {}}, os.path.join(out, "checkpoint.pt"))
+        return results
+
+    monkeypatch.setattr(gpu_check, "_run_processes", scaler_dropped)
+    result = gpu_check.amp_fp16_check(1, str(tmp_path))
+    assert result["bit_identical_after_restart"] and result["passed"] is False
+
+
+def test_a_failing_check_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
+    # resumed on 1 GPU: no exit status 0; two nodes: off by as far as training moved the weights
+    pretend_gpus(monkeypatch, 2, fail=("resumed_on_1",), differ={"node0": 0.01})
+    monkeypatch.setattr("utils.launch.run_distributed", lambda fn, n, *a, **k: [{"sum_over_ranks": True},
+                                                                                 {"sum_over_ranks": False}])
+
+    def broken(nproc, work):
+        raise RuntimeError("no Triton kernel for this")
+
+    monkeypatch.setitem(gpu_check.CHECKS, "compile", broken)
+    monkeypatch.setitem(gpu_check.CHECKS, "make_test", lambda nproc, work: {"passed": True})
+    assert gpu_check.main(["--out", str(tmp_path), "--make-test"]) == 1
+    checks = json.loads((tmp_path / "gpu_check_nvidia_pretend_80gb.json").read_text())["checks"]
+    assert checks["collectives"]["passed"] is False
+    assert checks["compile"] == {"error": "RuntimeError: no Triton kernel for this", "passed": False,
+                                 "check_seconds": checks["compile"]["check_seconds"]}
+    assert checks["resume_on_fewer_gpus"]["passed"] is False and checks["two_nodes"]["passed"] is False
+    assert checks["two_nodes"]["relative_distance"] == pytest.approx(1.0)
+    assert checks["two_nodes"]["runs"]["node0"]["returncode"] == 0
+    assert checks["training"]["passed"] is True and checks["make_test"]["passed"] is True
