@@ -187,7 +187,8 @@ def test_a_signal_to_one_rank_stops_every_rank_after_one_agreed_checkpoint_and_t
            "--data", data, "--out", out, *COMMON]
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode != 0 and "SIGUSR1: every rank stopped after step 6" in done.stdout, done.stderr[-3000:]
-    assert len(re.findall(r"exitcode\s+: 75 \(pid", done.stderr)) == 2, done.stderr[-3000:]  # both ranks
+    # the ranks that torchrun saw exit (it stops the others once one has exited)
+    assert set(re.findall(r"exitcode\s+: (-?\d+) \(pid", done.stderr)) == {"75"}, done.stderr[-3000:]
     with open(os.path.join(out, "preempted.json")) as f:
         assert json.load(f) == {"step": 6, "signal": "SIGUSR1"}
     assert torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)["step"] == 6

@@ -144,3 +144,24 @@ def test_a_scheduler_whose_state_holds_a_method_still_saves_a_weights_only_check
     assert "anneal_func" not in state["scheduler"] and state["step"] == 3
     tiny_run(tmp_path, "--resume")  # loads it, and the schedule goes on
     assert (out / "model_final.pt").exists()
+
+
+@pytest.mark.parametrize("total", [3, 4, 5, 7, 8, 100])
+def test_the_schedule_runs_on_short_runs_too(total):
+    """4 steps in all (1 epoch of 4 global batches) warmed up over 0 steps, and OneCycleLR
+    divided by zero."""
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    schedule = train.one_cycle(optimizer, 0.1, total)
+    rates = []  # the learning rate of each step
+    for _ in range(total):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert rates[0] == pytest.approx(0.1 / 25) and max(rates) == pytest.approx(0.1)
+    assert rates[-1] < rates[0]  # warm-up, then down to about 0
+
+
+def test_a_run_with_fewer_than_3_steps_is_refused():
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    with pytest.raises(SystemExit, match="2 optimizer step.*needs at least 3"):
+        train.one_cycle(optimizer, 0.1, 2)

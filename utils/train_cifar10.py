@@ -282,11 +282,17 @@ def one_cycle(optimizer: torch.optim.Optimizer, peak_lr: float, total_steps: int
 
     ``--lr`` is the peak for ``--global-batch``, whatever the number of processes
     (chapter 11). cycle_momentum=False: OneCycleLR would otherwise overwrite --momentum
-    with its own 0.85-0.95 cycle.
+    with its own 0.85-0.95 cycle. A run of fewer than 8 steps warms up over 2 of them
+    (a quarter of 4 steps would be a warm-up of none, and OneCycleLR divides by it).
     """
+    if total_steps < 3:
+        raise SystemExit(f"error: {total_steps} optimizer step(s) in all (--epochs x "
+                         f"training images // --global-batch); the one-cycle schedule "
+                         f"needs at least 3: more --epochs or a smaller --global-batch")
     return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=peak_lr,
                                                total_steps=total_steps,
-                                               pct_start=0.25, cycle_momentum=False)
+                                               pct_start=max(0.25, 2 / total_steps),
+                                               cycle_momentum=False)
 
 
 def init_process_group(backend: str, device: torch.device | None = None) -> None:
@@ -1024,6 +1030,10 @@ def save(args, training: Training, job: Job) -> None:
             "epoch_loss": list(epoch_loss), "world_size": job.world_size,
             "config": training.config})
         training.saved_step = training.step
+        if training.stop_signal:  # before the barrier: no rank exits before it exists
+            write_atomically(os.path.join(args.out, PREEMPTED), lambda f: f.write(
+                json.dumps({"step": training.step, "signal": signal.Signals(
+                    training.stop_signal).name}).encode()))
     if job.ddp:
         # nobody runs ahead of a checkpoint that may be needed to restart them
         dist.barrier()
@@ -1086,8 +1096,6 @@ def train(args, job: Job, data: Data, training: Training, model: nn.Module,
             break
     if training.stop_signal and job.master:
         name = signal.Signals(training.stop_signal).name
-        write_atomically(os.path.join(args.out, PREEMPTED), lambda f: f.write(
-            json.dumps({"step": training.step, "signal": name}).encode()))
         print(f"{name}: every rank stopped after step {training.step}, saved in "
               f"{training.path}; exit code {EXIT_PREEMPTED}: resume with --resume",
               flush=True)
@@ -1151,8 +1159,10 @@ class Preemption:
     after every step the ranks agree on it, so that all stop after the same step, write
     one checkpoint and exit with ``EXIT_PREEMPTED``.
 
-    The handlers are installed for the run only, in the main thread (where Python
-    allows them), and the previous ones restored after."""
+    The handlers are installed in the main thread (where Python allows them), and the
+    previous ones restored after the run, unless a signal stopped it: then they stay,
+    so that a SIGTERM that torchrun's agent sends once the first rank has exited does
+    not kill the others before they exit with ``EXIT_PREEMPTED`` too."""
 
     def __init__(self):
         self.signal = 0
@@ -1167,6 +1177,8 @@ class Preemption:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.signal:
+            return
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
