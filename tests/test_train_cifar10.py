@@ -131,11 +131,12 @@ def test_two_ranks_equal_one_process_on_the_same_global_batches(data, two_ranks,
 # have started (a rank that dies at once takes the others down before they start)
 DIES_BEFORE_INIT = """
 import os, runpy, time
-if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "1":
-    import torch
-    time.sleep(5)
-    os._exit(1)
-runpy.run_module("utils.train_cifar10", run_name="__main__")
+if __name__ == "__main__":  # not in DataLoader workers that spawn starts (macOS, Windows)
+    if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "1":
+        import torch
+        time.sleep(5)
+        os._exit(1)
+    runpy.run_module("utils.train_cifar10", run_name="__main__")
 """
 
 
@@ -172,8 +173,9 @@ def train_step(args, job, training, model, x, y):
     if job.rank == 1 and training.step == 5 and not args.resume:
         os.kill(os.getpid(), signal.SIGUSR1)
     return step(args, job, training, model, x, y)
-train.train_step = train_step
-train.run()
+if __name__ == "__main__":  # not in DataLoader workers that spawn starts (macOS, Windows)
+    train.train_step = train_step
+    train.run()
 """
 
 
