@@ -2,6 +2,7 @@
 resume (also on other numbers of ranks and workers) that yields exactly the unseen
 part of the epoch."""
 
+import inspect
 import os
 import random
 
@@ -11,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from utils.samplers import (CountingLoader, PermutationShardSampler, ShardSampler,
-                            permute, round_keys)
+                            batch_length, permute, round_keys)
 
 # 3 and 4 workers on a 2-core machine: torch warns, the test means it
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
@@ -279,3 +280,108 @@ def test_bench_samplers_measures_both_in_fresh_processes():
                for c in result["cases"])
     assert result["first_index_ratio_torch_over_ours"]["2000"] > 0
     assert result["torch_skipped"] == {}
+
+
+# --- a checkpoint at any moment: nothing lost, nothing repeated ------------------------
+
+def two_epochs(n, B, workers, persistent, stop_epoch, stop_batch):
+    """Epochs 0 and 1 of a training loop that saves its CountingLoader's state at batch
+    ``stop_batch`` of epoch ``stop_epoch`` (0: after set_epoch, before the first batch;
+    the number of batches: after the last, before the next set_epoch) and resumes in a
+    fresh loader. Returns each epoch's samples, in the order received."""
+    def make():
+        sampler = PermutationShardSampler(n, 1, 0, seed=3)
+        return CountingLoader(DataLoader(Indices(n), batch_size=B, sampler=sampler,
+                                         num_workers=workers,
+                                         persistent_workers=persistent and workers > 0))
+    loader, got, state = make(), {0: [], 1: []}, None
+    for epoch in (0, 1):
+        loader.sampler.set_epoch(epoch)
+        if (epoch, 0) == (stop_epoch, stop_batch):
+            state = loader.state_dict()
+            break
+        for b, batch in enumerate(loader, start=1):
+            got[epoch] += batch.tolist()
+            if (epoch, b) == (stop_epoch, stop_batch):
+                state = loader.state_dict()
+                break
+        if state is not None:
+            break
+    if state is None:  # never stopped
+        return got
+    resumed = make()
+    resumed.load_state_dict(state)
+    for epoch in (state["epoch"], 1)[: 2 - state["epoch"]]:
+        resumed.sampler.set_epoch(epoch)
+        for batch in resumed:
+            got[epoch] += batch.tolist()
+    return got
+
+
+@pytest.mark.parametrize("workers,persistent", [(0, False), (1, False), (2, True),
+                                                (3, False), (4, True)])
+@pytest.mark.parametrize("moment", ["before the first batch", "mid-epoch",
+                                    "after the last batch", "next epoch's start"])
+def test_a_checkpoint_at_any_moment_resumes_to_exactly_the_uninterrupted_epochs(
+        workers, persistent, moment):
+    """On main, a state taken after set_epoch(1) and before its first batch read
+    {'epoch': 1, 'consumed': 40} and the resumed epoch yielded nothing."""
+    n, B = 40, 4
+    stop = {"before the first batch": (0, 0), "mid-epoch": (0, 4),
+            "after the last batch": (0, n // B), "next epoch's start": (1, 0)}[moment]
+    got = two_epochs(n, B, workers, persistent, *stop)
+    whole = two_epochs(n, B, 0, False, 9, 9)  # never stops
+    assert got == whole
+    assert all(sorted(order) == list(range(n)) for order in got.values())
+
+
+def test_in_order_false_is_refused_with_workers():
+    if "in_order" not in inspect.signature(DataLoader).parameters:
+        pytest.skip("this torch has no in_order")
+    sampler = PermutationShardSampler(8, 1, 0)
+    with pytest.raises(ValueError, match="in_order=False"):
+        CountingLoader(DataLoader(range(8), sampler=sampler, num_workers=2,
+                                  in_order=False))
+    CountingLoader(DataLoader(range(8), sampler=sampler, num_workers=0, in_order=False))
+
+
+def test_batch_length_counts_samples_or_asks_for_count():
+    images, labels = torch.zeros(8, 3), torch.zeros(8)
+    assert batch_length((images, labels)) == 8
+    assert batch_length({"x": images, "y": labels}) == 8
+    variable = [torch.zeros(12), *[torch.zeros(k) for k in range(7)]]
+    assert batch_length((variable, labels)) == 8  # on main: 12, the first length
+    with pytest.raises(ValueError, match="count="):
+        batch_length((images, torch.zeros(5)))
+    with pytest.raises(TypeError, match="count="):
+        batch_length(torch.tensor(3.0))
+    # batch_size=None: each item is one sample (on main: 15, its length)
+    sampler = PermutationShardSampler(5, 1, 0)
+    loader = CountingLoader(DataLoader([torch.zeros(15)] * 5, batch_size=None,
+                                       sampler=sampler))
+    for _ in loader:
+        pass
+    assert loader.received == 5
+
+
+def test_permute_refuses_n_it_cannot_serve():
+    with pytest.raises(ValueError, match="2\\*\\*62"):
+        permute([0], 2**63 + 5, round_keys(0, 0))
+    with pytest.raises(ValueError, match="2\\*\\*62"):
+        permute([], -1, round_keys(0, 0))
+    assert permute([], 0, round_keys(0, 0)).size == 0
+
+
+def test_drop_last_resumed_on_fewer_ranks_delivers_the_tail_the_wider_run_dropped():
+    """Documented: drop_last drops what the *current* number of ranks cannot split.
+    4 ranks over 42 samples drop 2; resumed on 1 rank after 8 samples, the one rank
+    gets the other 34, the 2 of the tail included."""
+    n = 42
+    first = [PermutationShardSampler(n, 4, r, drop_last=True) for r in range(4)]
+    assert sum(len(s) for s in first) == 40  # 2 dropped
+    state = first[0].state_dict(received=2)  # every rank received 2: 8 positions
+    one = PermutationShardSampler(n, 1, 0, drop_last=True)
+    one.load_state_dict(state)
+    rest = list(one)
+    seen = [i for s in first for i in list(s)[:2]]
+    assert len(rest) == n - 8 and sorted(seen + rest) == list(range(n))

@@ -561,6 +561,11 @@ def permute(positions, n: int, keys: np.ndarray) -> np.ndarray:
     if x.size and int(x.max()) >= n:
         raise ValueError(f"positions must lie in [0, n) = [0, {n}), "
                          f"got {int(x.max())}")
+    if not 0 <= n <= 2**62:
+        raise ValueError(f"n must be between 0 and 2**62, got {n}: the network works "
+                         f"on at most 64 bits, and indices must fit an int64")
+    if x.size == 0:
+        return x.astype(np.int64)
     bits = feistel_bits(n)
     x = _feistel(x, bits, keys)
     outside = np.flatnonzero(x >= np.uint64(n))
@@ -587,7 +592,9 @@ class PermutationShardSampler(_EpochSampler):
     sampler's ranks, whatever their number: with any ``num_replicas`` and any
     ``num_workers`` the ranks see exactly the unseen part of the epoch. Count with
     :class:`CountingLoader`: the sampler itself runs ahead of the loop by the
-    DataLoader's prefetch.
+    DataLoader's prefetch. With ``drop_last`` each run drops what its own number of
+    ranks cannot split, so an epoch resumed on fewer ranks may deliver tail samples
+    that the wider run would have dropped (and one resumed on more may drop more).
     """
 
     def __init__(self, n, num_replicas: int | None = None, rank: int | None = None,
@@ -604,6 +611,9 @@ class PermutationShardSampler(_EpochSampler):
         self.batch_size = batch_size
         self.start = 0  # positions consumed before the next iteration begins
         self.iter_start = 0  # ``start`` of the iteration under way (or the last)
+        # changes with every iteration, new epoch and load: what a CountingLoader
+        # received belongs to the iteration it saw start
+        self.generation = 0
 
     @property
     def global_batch_size(self) -> int | None:
@@ -614,11 +624,13 @@ class PermutationShardSampler(_EpochSampler):
 
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` from now on; a new epoch starts from its
-        beginning, the same epoch keeps a loaded resume point."""
+        beginning (and its state says so at once: nothing of it consumed), the same
+        epoch keeps a loaded resume point."""
         old = self.epoch
         super().set_epoch(epoch)
         if self.epoch != old:
-            self.start = 0
+            self.start = self.iter_start = 0
+            self.generation += 1
 
     def keys(self) -> np.ndarray:
         return round_keys(self.seed, self.epoch)
@@ -663,6 +675,7 @@ class PermutationShardSampler(_EpochSampler):
 
     def __iter__(self) -> Iterator[int]:
         self.iter_start = self.start
+        self.generation += 1
         return itertools.chain.from_iterable(self._chunks(self.start, len(self)))
 
     def state_dict(self, received: int = 0) -> dict:
@@ -701,6 +714,7 @@ class PermutationShardSampler(_EpochSampler):
         consumed = check_int("state['consumed']", state["consumed"], minimum=0)
         self.seed, self.epoch, self.start = seed, epoch, consumed
         self.iter_start = consumed
+        self.generation += 1
 
     def __repr__(self) -> str:
         return (f"PermutationShardSampler(n={self.n}, "
@@ -711,21 +725,41 @@ class PermutationShardSampler(_EpochSampler):
 
 
 def batch_length(batch) -> int:
-    """How many samples a collated batch holds: the length of its first tensor (or
-    sequence), looking inside tuples, lists and dicts."""
-    if isinstance(batch, dict):
-        if not batch:
-            raise ValueError("cannot count the samples of an empty dict batch")
-        return batch_length(next(iter(batch.values())))
-    if isinstance(batch, (tuple, list)) and batch and \
-            isinstance(batch[0], (torch.Tensor, np.ndarray, tuple, list, dict)):
-        return batch_length(batch[0])
-    try:
+    """How many samples a collated batch holds, when its shape says so unambiguously.
+
+    A tensor or array: its first dimension. A tuple, list or dict of fields (what
+    ``default_collate`` makes of samples that are tuples or dicts): the count each field
+    gives, which must agree; a field that is a list of tensors (a collate that keeps
+    samples of different lengths apart) counts its items. Anything else, or fields that
+    disagree, raises: pass ``count=`` to :class:`CountingLoader`.
+    """
+    if isinstance(batch, (torch.Tensor, np.ndarray)):
+        if batch.ndim == 0:
+            raise TypeError("cannot count the samples of a 0-d tensor; pass count= "
+                            "to CountingLoader")
         return len(batch)
-    except TypeError:
+    fields = list(batch.values()) if isinstance(batch, dict) else batch
+    if not isinstance(fields, (tuple, list)) or not fields:
         raise TypeError(f"cannot count the samples of a batch of type "
-                        f"{type(batch).__name__}; pass count= to "
-                        f"CountingLoader") from None
+                        f"{type(batch).__name__}; pass count= to CountingLoader")
+    counts = {_field_length(field) for field in fields}
+    counts.discard(None)
+    if len(counts) != 1:
+        raise ValueError(f"the batch's fields give {sorted(counts) or 'no'} sample "
+                         f"counts; pass count= to CountingLoader")
+    return counts.pop()
+
+
+def _field_length(field) -> int | None:
+    """One field's sample count: a tensor's first dimension, a list of tensors' length
+    (``None`` for what says nothing: a number, a string)."""
+    if isinstance(field, (torch.Tensor, np.ndarray)):
+        return len(field) if field.ndim else None
+    if isinstance(field, (tuple, list)):
+        return len(field)
+    if isinstance(field, dict):
+        return batch_length(field)
+    return None
 
 
 class CountingLoader:
@@ -743,12 +777,24 @@ class CountingLoader:
                             f"{type(sampler).__name__}")
         if not callable(count):
             raise TypeError("count must be a function of a batch")
+        if getattr(loader, "in_order", True) is False \
+                and getattr(loader, "num_workers", 0) > 0:
+            raise ValueError("in_order=False hands batches to the loop as workers "
+                             "finish them, not in the sampler's order, so the samples "
+                             "received are not a prefix of the order: a resume would "
+                             "repeat some and lose others; use in_order=True")
+        if count is batch_length and getattr(loader, "batch_size", 1) is None \
+                and getattr(loader, "batch_sampler", None) is None:
+            count = _one  # no automatic batching: each item is one sample
         self.loader, self.sampler, self.count = loader, sampler, count
         self.received = 0
+        self._generation = None  # the sampler's, when this iteration started
 
     def __iter__(self):
-        self.received = 0
+        self.received, self._generation = 0, None
         for batch in self.loader:
+            if self._generation is None:  # the sampler's iteration has started
+                self._generation = self.sampler.generation
             self.received += self.count(batch)
             yield batch
 
@@ -756,8 +802,16 @@ class CountingLoader:
         return len(self.loader)
 
     def state_dict(self) -> dict:
-        return self.sampler.state_dict(received=self.received)
+        """The sampler's state after the batches received, if they belong to the
+        sampler's current iteration; after ``set_epoch`` (a new epoch, nothing of it
+        received yet) or a load, the sampler's own."""
+        current = self._generation == self.sampler.generation
+        return self.sampler.state_dict(received=self.received if current else 0)
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
-        self.received = 0
+        self.received, self._generation = 0, None
+
+
+def _one(batch) -> int:
+    return 1
