@@ -114,7 +114,7 @@ def test_two_nodes_train_to_the_end_with_a_log_per_node_and_no_requeue(staged, t
     assert "-w node1 hostname --ip-address" in lookup
     assert "--ntasks-per-node=1" in copy and (local / "cifar-10-batches-py").is_dir()
     # the job's --cpus-per-task reaches srun (Slurm >= 22.05 needs SRUN_CPUS_PER_TASK for it)
-    assert training.startswith("cpus-per-task=1 ") and "--kill-on-bad-exit=0 --wait=60" in training
+    assert training.startswith("cpus-per-task=1 ") and "--kill-on-bad-exit=0 --wait=120" in training
     logs = out / "logs"
     node1, node2 = (logs / f"cifar10-4242-{node}.out" for node in ("node1", "node2"))
     assert node1.read_text().startswith("== node1: node 0 of 2, job 4242")
@@ -148,13 +148,13 @@ def test_a_failed_run_is_not_requeued_even_with_a_preemption_file_left_from_befo
 
 
 def training_srun(job_pid):
-    """The fake srun of the job's training step (the one with --wait=60)."""
+    """The fake srun of the job's training step (the one with --wait=120)."""
     for pid in process_tree(job_pid):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(arg.endswith(b"fake_slurm/srun") for arg in argv) and b"--wait=60" in argv:
+        if any(arg.endswith(b"fake_slurm/srun") for arg in argv) and b"--wait=120" in argv:
             return pid
     return None
 

@@ -185,20 +185,48 @@ def test_a_signal_to_one_rank_stops_every_rank_after_one_agreed_checkpoint_and_t
     script = tmp_path / "signalled.py"
     script.write_text(SIGNALLED_IN_STEP_6)
     out = str(tmp_path / "out")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           "--data", data, "--out", out, *COMMON]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+           str(script), "--data", data, "--out", out, *COMMON]
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode != 0 and "SIGUSR1: every rank stopped after step 6" in done.stdout, done.stderr[-3000:]
-    # the ranks that torchrun saw exit (it stops the others once one has exited)
-    assert set(re.findall(r"exitcode\s+: (-?\d+) \(pid", done.stderr)) == {"75"}, done.stderr[-3000:]
+    # the signal reached the ranks, not torchrun's agent, which restarted them: on main they trained on
+    assert "a restart does not go on" in done.stderr, done.stderr[-3000:]
+    assert not os.path.exists(os.path.join(out, "model_final.pt"))
+    # the ranks that torchrun saw exit, with 75 (it stops the others once one has exited: SIGTERM, -15)
+    codes = set(re.findall(r"exitcode\s+: (-?\d+) \(pid", done.stderr))
+    assert "75" in codes and codes <= {"75", "-15"}, done.stderr[-3000:]
     with open(os.path.join(out, "preempted.json")) as f:
-        assert json.load(f) == {"step": 6, "signal": "SIGUSR1"}
+        assert {"step": 6, "signal": "SIGUSR1", "torchrun_restart": 0}.items() <= json.load(f).items()
     assert torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)["step"] == 6
     done = ok(subprocess.run(cmd + ["--resume"], env=ENV, capture_output=True, text=True, timeout=TIMEOUT))
     assert "epoch 0, step 6 of the epoch" in done.stdout
     assert not os.path.exists(os.path.join(out, "preempted.json"))
     assert max_diff(final_params(two_ranks), final_params(out)) == 0.0
     assert losses(out) == losses(two_ranks)
+
+
+# rank 1 sends SIGTERM to torchrun's agent during step 6, which passes it on to every rank's process
+# group, DataLoader workers included
+SIGTERM_TO_TORCHRUN = SIGNALLED_IN_STEP_6.replace("os.kill(os.getpid(), signal.SIGUSR1)",
+                                                  "os.kill(os.getppid(), signal.SIGTERM)")
+
+
+def test_a_sigterm_to_torchrun_with_dataloader_workers_stops_at_an_agreed_checkpoint_and_resumes_exactly(
+        data, two_ranks, tmp_path):
+    """On main the agent's SIGTERM also reached the ranks' DataLoader workers, which died, and the ranks
+    failed before any checkpoint (RuntimeError: DataLoader worker ... is killed by signal: Terminated)."""
+    script = tmp_path / "sigterm.py"
+    script.write_text(SIGTERM_TO_TORCHRUN)
+    out = str(tmp_path / "out")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           "--data", data, "--out", out, *COMMON]
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode != 0 and "SIGTERM: every rank stopped after step" in done.stdout, done.stderr[-3000:]
+    with open(os.path.join(out, "preempted.json")) as f:
+        stopped = json.load(f)["step"]  # the agent's signal arrives when it arrives: step 6 or later
+    assert torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)["step"] == stopped
+    ok(subprocess.run(cmd + ["--resume"], env=ENV, capture_output=True, text=True, timeout=TIMEOUT))
+    assert max_diff(final_params(two_ranks), final_params(out)) == 0.0
 
 
 def test_an_elastic_nnodes_range_is_refused_by_every_rank(data, tmp_path):

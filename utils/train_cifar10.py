@@ -18,7 +18,10 @@ the same block of the epoch's order whatever their number, so a run may resume o
 another number of processes. Every random choice is a function of the seed, the epoch
 and the sample index (augmentations), or of the seed, step and rank (anything a model
 draws), so a run killed and resumed from a checkpoint, on any number of workers, ends
-with the same parameters as one that never stopped.
+with the same parameters as one that never stopped. Under torchrun's restarts each
+attempt gets a store of its own (``attempt_store``); SIGTERM or SIGUSR1 makes every rank
+stop after the same step, with one checkpoint, ``preempted.json`` and exit code 75
+(``EXIT_PREEMPTED``); ``examples/slurm/train_cifar10.sbatch`` runs it under SLURM.
 
 Feeding the GPU: ``--loader gpu`` keeps the uint8 training set on the device and
 augments whole batches there (``utils.gpu_loader.GPULoader``: the same sample order
@@ -352,6 +355,7 @@ def attempt_store(shared, host: str, rank: int, world_size: int):
         if published.startswith("error:"):
             raise SystemExit(published)
         return own, attempt
+    shared.set_timeout(timedelta(seconds=FIND_STORE_SECONDS))  # a slow rank 0
     deadline = time.monotonic() + FIND_STORE_SECONDS
     while time.monotonic() < deadline:
         published = shared.get("train_cifar10/store").decode()
@@ -430,7 +434,7 @@ def refuse_elastic_nnodes(argv: list[str]) -> None:
     size may change at a restart (a node lost or added), and with it each process's
     share of ``--global-batch``, mid-epoch. This script resumes on another number of
     processes only from a checkpoint, in a new job: refuse at once."""
-    value = None
+    value = os.environ.get("PET_NNODES")  # torchrun's options from the environment
     for i, arg in enumerate(argv):
         if arg == "--nnodes" and i + 1 < len(argv):
             value = argv[i + 1]
@@ -876,7 +880,8 @@ def build_data(args, job: Job) -> Data:
     loader, why = choose_loader(args.loader, job.device, resident_bytes(train_set.data),
                                 agreed_free_memory(job.device, job.ddp))
     loader_kwargs = dict(num_workers=args.workers, pin_memory=job.cuda,
-                         persistent_workers=args.workers > 0)
+                         persistent_workers=args.workers > 0,
+                         worker_init_fn=shield_worker)
     train_loader, sampler = make_train_loader(args, job, train_set, loader,
                                               loader_kwargs)
     test_loader = DataLoader(test_set, batch_size=512,
@@ -886,6 +891,21 @@ def build_data(args, job: Job) -> Data:
                                 "num_workers": eval_workers(args.workers)})
     return Data(train_set, test_set, synthetic, steps_per_epoch, loader, why,
                 train_loader, sampler, test_loader)
+
+
+def shield_worker(worker_id: int) -> None:
+    """A DataLoader worker leaves the signals to its rank (``Preemption``).
+
+    torchrun's agent passes a signal on to each rank's whole process group, and a
+    worker killed by it (a SIGTERM from another process than its rank kills it) makes
+    the rank fail before its checkpoint; a worker started by spawn or forkserver also
+    dies of SIGUSR1. In a process group of its own and ignoring SIGUSR1, the worker
+    goes on until its rank stops it. (A SIGTERM sent to every process, as SLURM sends
+    at a time limit without ``--signal``, still reaches it.)"""
+    if hasattr(os, "setpgrp"):  # not on Windows
+        os.setpgrp()
+    if hasattr(signal, "SIGUSR1"):
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def make_train_loader(args, job: Job, train_set: KeyedAugment, loader: str,
@@ -955,6 +975,7 @@ def resume_or_start(args, job: Job, data: Data, model: nn.Module, optimizer,
                         os.path.join(args.out, CHECKPOINT),
                         run_config(args, len(data.train_set), data.loader),
                         scaler=grad_scaler(args.amp == "fp16"))
+    refuse_restart_after_preemption(args, job)
     state = (agree_on_resume(training.path, training.config, job.rank, job.ddp)
              if args.resume else None)
     if job.master and os.path.exists(os.path.join(args.out, PREEMPTED)):
@@ -981,6 +1002,33 @@ def resume_or_start(args, job: Job, data: Data, model: nn.Module, optimizer,
                   f"{training.step_in_epoch} of the epoch ({training.step} in all)",
                   flush=True)
     return training
+
+
+def refuse_restart_after_preemption(args, job: Job) -> None:
+    """A signal stopped this torchrun job (its ``preempted.json`` names this job), and
+    torchrun restarted the ranks, as it does when the signal reached them but not its
+    agent: stop again with ``EXIT_PREEMPTED`` instead of training on (a new job, after
+    a requeue, resumes)."""
+    found = None
+    path = os.path.join(args.out, PREEMPTED)
+    if job.master and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        try:
+            with open(path) as f:
+                found = json.load(f)
+        except (OSError, ValueError):
+            found = None
+        if found and found.get("torchrun_run_id") != os.environ.get(
+                "TORCHELASTIC_RUN_ID"):
+            found = None
+    if job.ddp:
+        box = [found]
+        dist.broadcast_object_list(box, src=0, device=collective_device())
+        found = box[0]
+    if found:
+        print(f"{found['signal']} stopped this job after step {found['step']} "
+              f"({path}); a restart does not go on: run the job again with --resume",
+              file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_PREEMPTED)
 
 
 def grad_scaler(enabled: bool):
@@ -1031,12 +1079,25 @@ def save(args, training: Training, job: Job) -> None:
             "config": training.config})
         training.saved_step = training.step
         if training.stop_signal:  # before the barrier: no rank exits before it exists
-            write_atomically(os.path.join(args.out, PREEMPTED), lambda f: f.write(
-                json.dumps({"step": training.step, "signal": signal.Signals(
-                    training.stop_signal).name}).encode()))
+            write_preempted(args, training)
     if job.ddp:
         # nobody runs ahead of a checkpoint that may be needed to restart them
         dist.barrier()
+
+
+def write_preempted(args, training: Training) -> None:
+    """``preempted.json``: the step and signal, and which job wrote it (torchrun's run
+    id and restart count, SLURM's job id and requeue count, where set), so that a job
+    script can tell a file of its own run from an older one."""
+    env = os.environ.get
+    record = {"step": training.step,
+              "signal": signal.Signals(training.stop_signal).name,
+              "torchrun_run_id": env("TORCHELASTIC_RUN_ID"),
+              "torchrun_restart": int(env("TORCHELASTIC_RESTART_COUNT", 0)),
+              "slurm_job_id": env("SLURM_JOB_ID"),
+              "slurm_restart": int(env("SLURM_RESTART_COUNT", 0))}
+    write_atomically(os.path.join(args.out, PREEMPTED),
+                     lambda f: f.write(json.dumps(record).encode()))
 
 
 def keep_older(args, training: Training) -> None:
