@@ -695,6 +695,16 @@ def load_checkpoint(path: str, config: dict) -> dict:
     return state
 
 
+def from_rank_0(value, ddp: bool):
+    """Rank 0's ``value`` on every rank (any picklable object): what rank 0 alone
+    found on disk becomes every rank's decision."""
+    if not ddp:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, device=collective_device())
+    return box[0]
+
+
 def agree_on_resume(path: str, config: dict, rank: int, ddp: bool) -> dict | None:
     """Rank 0 alone looks for the checkpoint and reads it; every rank gets what
     it found.
@@ -710,10 +720,7 @@ def agree_on_resume(path: str, config: dict, rank: int, ddp: bool) -> dict | Non
             found = ("state", load_checkpoint(path, config))
         except SystemExit as exc:
             found = ("error", str(exc))
-    if ddp:
-        box = [found]
-        dist.broadcast_object_list(box, src=0, device=collective_device())
-        found = box[0]
+    found = from_rank_0(found, ddp)
     if found is not None and found[0] == "error":
         raise SystemExit(found[1])
     return None if found is None else found[1]
@@ -1020,10 +1027,7 @@ def refuse_restart_after_preemption(args, job: Job) -> None:
         if found and found.get("torchrun_run_id") != os.environ.get(
                 "TORCHELASTIC_RUN_ID"):
             found = None
-    if job.ddp:
-        box = [found]
-        dist.broadcast_object_list(box, src=0, device=collective_device())
-        found = box[0]
+    found = from_rank_0(found, job.ddp)
     if found:
         print(f"{found['signal']} stopped this job after step {found['step']} "
               f"({path}); a restart does not go on: run the job again with --resume",
