@@ -44,6 +44,8 @@ __all__ = [
     "PermutationShardSampler",
     "CountingLoader",
     "permute",
+    "exact_order",
+    "EXACT_MAX_N",
 ]
 
 MAX_SEED = 2**64 - 1  # the largest value torch.Generator.manual_seed accepts
@@ -499,9 +501,20 @@ class ClassBalancedBatchSampler(_EpochSampler):
 
 # --- PermutationShardSampler: the epoch's order as a keyed bijection -----------------
 
-_ROUNDS = 4  # Luby-Rackoff: 4 Feistel rounds with good round functions are enough
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's multipliers
+# n up to EXACT_MAX_N: an exact Fisher-Yates shuffle, held as an int64 array (8 MiB at
+# 2**20, drawn in about 10 ms, once per epoch); above it, the Feistel network in O(1).
+EXACT_MAX_N = 2**20
+# Feistel rounds. Luby-Rackoff's 4 rounds bound only q**2 / 2**half queries of random
+# round functions: nothing once a whole epoch (2**bits positions) is read; 4 rounds on
+# small halves are visibly non-uniform (chi-square 2,768 at n = 8). Grain's and
+# TensorFlow's index shuffles use 4 Simon rounds, on 16 bits at least. 8 rounds (FF3-1's
+# count; FF1 has 10) with a full 64-bit round function pass every joint test in
+# tests/test_permutation_sampler.py, down to n = 5.
+_ROUNDS = 8
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's multipliers and shifts
 _MIX2 = np.uint64(0x94D049BB133111EB)
+_SHIFTS = np.uint64(30), np.uint64(27), np.uint64(31)
+_EXACT_TAG = 0x5045524D  # "PERM": the exact order's stream is no other sampler's
 _FIRST_CHUNK = 1024  # small, so the first index comes quickly
 _MAX_CHUNK = 1 << 16  # large enough to amortise NumPy's per-call cost
 
@@ -523,30 +536,45 @@ def _mix64(x: int) -> int:
 
 def round_keys(seed: int, epoch: int, rounds: int = _ROUNDS) -> np.ndarray:
     """The round keys of ``(seed, epoch)``: ``rounds`` uint64 values mixed from both
-    with splitmix64, the same on every rank and every machine (plain Python ints:
-    microseconds, so the first index comes at once)."""
+    (and the round's number) with splitmix64, the same on every rank and every machine
+    (plain Python ints: microseconds, so the first index comes at once)."""
     seed, epoch = check_seed_and_epoch(seed, epoch)
     state = _mix64(_mix64(seed) ^ _mix64(epoch + 0x9E3779B97F4A7C15))
     return np.array([_mix64(state + (i + 1) * 0x9E3779B97F4A7C15)
                      for i in range(rounds)], dtype=np.uint64)
 
 
+def _fmix64(x: np.ndarray, scratch: np.ndarray) -> None:
+    """splitmix64's finaliser on uint64 ``x``, in place (``scratch``: same shape)."""
+    a, b, c = _SHIFTS
+    np.right_shift(x, a, out=scratch)
+    x ^= scratch
+    x *= _MIX1
+    np.right_shift(x, b, out=scratch)
+    x ^= scratch
+    x *= _MIX2
+    np.right_shift(x, c, out=scratch)
+    x ^= scratch
+
+
 def _feistel(x: np.ndarray, bits: int, keys: np.ndarray) -> np.ndarray:
-    """One pass of the Feistel network on ``[0, 2**bits)`` (``x`` uint64, kept)."""
+    """One pass of the Feistel network on ``[0, 2**bits)`` (``x`` uint64, kept): one
+    round per key. The round function mixes the right half with the round's key (which
+    the round's number went into) through all 64 bits, twice, and keeps the top
+    ``bits / 2`` bits: ``fmix(fmix(right ^ key) + key) >> (64 - bits / 2)``."""
     half = np.uint64(bits // 2)
     mask = np.uint64((1 << (bits // 2)) - 1)
+    top = np.uint64(64 - bits // 2)
     left = x >> half
     right = x & mask
-    t = np.empty_like(x)
+    f, scratch = np.empty_like(x), np.empty_like(x)
     for key in keys:
-        # t = hash(right, key): splitmix64's finaliser, cut to the half's width
-        np.bitwise_xor(right, key, out=t)
-        t *= _MIX1
-        t ^= t >> np.uint64(31)
-        t *= _MIX2
-        t ^= t >> np.uint64(29)
-        t &= mask
-        left ^= t
+        np.bitwise_xor(right, key, out=f)
+        _fmix64(f, scratch)
+        f += key
+        _fmix64(f, scratch)
+        f >>= top
+        left ^= f
         left, right = right, left
     left <<= half
     left |= right
@@ -556,7 +584,12 @@ def _feistel(x: np.ndarray, bits: int, keys: np.ndarray) -> np.ndarray:
 def permute(positions, n: int, keys: np.ndarray) -> np.ndarray:
     """Where each of ``positions`` (integers in ``[0, n)``) goes under the keyed
     bijection of ``[0, n)``: the Feistel network on ``[0, 2**bits)``, applied again to
-    the values that land outside ``[0, n)`` (cycle walking) until all are inside."""
+    the values that land outside ``[0, n)`` (cycle walking) until all are inside.
+
+    This is the sampler's order above ``EXACT_MAX_N``. Every pass is an even permutation
+    of ``[0, 2**bits)`` (each round is, on halves of 2 bits or more), so at ``n = 2**bits`` (16, 64, 256, ...) only
+    half of the ``n!`` orders can occur: whole orders cannot be uniform at tiny ``n``,
+    which is one reason the sampler shuffles exactly below ``EXACT_MAX_N``."""
     x = np.asarray(positions, dtype=np.uint64)
     if x.size and int(x.max()) >= n:
         raise ValueError(f"positions must lie in [0, n) = [0, {n}), "
@@ -575,12 +608,29 @@ def permute(positions, n: int, keys: np.ndarray) -> np.ndarray:
     return x.astype(np.int64)
 
 
-class PermutationShardSampler(_EpochSampler):
-    """``ShardSampler``'s contract in O(1) memory, with exact (and elastic) resume.
+def exact_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The sampler's order up to ``EXACT_MAX_N``: a uniform random permutation of
+    ``[0, n)`` (NumPy's Fisher-Yates), drawn from PCG64 seeded with ``(seed, epoch, n)``
+    through a SeedSequence. The same on every rank and machine that runs the same NumPy
+    version: SeedSequence and PCG64 are stable across versions, but NumPy does not
+    promise that ``Generator.permutation`` draws the same way in every release
+    (``test_exact_order_is_pinned`` notices if it changes)."""
+    n = check_int("n", n, minimum=0, maximum=2**62)
+    seed, epoch = check_seed_and_epoch(seed, epoch)
+    sequence = np.random.SeedSequence([_EXACT_TAG, seed, epoch, n])
+    return np.random.Generator(np.random.PCG64(sequence)).permutation(n)
 
-    The epoch's global order is a keyed bijection of ``[0, n)``: position ``p`` holds
-    index ``permute(p)``, a Feistel network keyed by ``(seed, epoch)`` with cycle
-    walking, computed on demand in chunks, never as a list of ``n``. Rank ``r`` of
+
+class PermutationShardSampler(_EpochSampler):
+    """``ShardSampler``'s contract in O(1) memory above ``2**20`` samples, with exact
+    (and elastic) resume.
+
+    The epoch's global order is a permutation of ``[0, n)`` keyed by ``(seed, epoch)``.
+    Up to ``exact_max_n`` (``EXACT_MAX_N = 2**20``: at most 8 MiB) it is a uniform
+    random permutation, :func:`exact_order`, drawn once per epoch and kept. Above it,
+    position ``p`` holds index ``permute(p)``, an 8-round Feistel network with cycle
+    walking, computed on demand in chunks, never as a list of ``n``
+    (``exact_max_n=0`` forces the network at every ``n``). Rank ``r`` of
     ``R`` takes positions ``r, r + R, r + 2R, ...`` like ``DistributedSampler``, so
     every global batch of ``R x batch_size`` positions is a contiguous block of the
     order; the tail is padded by repeating the order from its start, or dropped with
@@ -599,7 +649,8 @@ class PermutationShardSampler(_EpochSampler):
 
     def __init__(self, n, num_replicas: int | None = None, rank: int | None = None,
                  seed: int = 0, drop_last: bool = False,
-                 batch_size: int | None = None) -> None:
+                 batch_size: int | None = None,
+                 exact_max_n: int = EXACT_MAX_N) -> None:
         if not isinstance(n, numbers.Integral) and hasattr(n, "__len__"):
             n = len(n)
         self.n = check_int("n (the data set size, or a Sized data set)", n,
@@ -609,6 +660,9 @@ class PermutationShardSampler(_EpochSampler):
         if batch_size is not None:
             batch_size = check_int("batch_size", batch_size, minimum=1)
         self.batch_size = batch_size
+        exact_max_n = check_int("exact_max_n", exact_max_n, minimum=0)
+        self.shuffle = "exact" if self.n <= exact_max_n else "feistel"
+        self._order = None  # (seed, epoch, the exact order), kept for the epoch
         self.start = 0  # positions consumed before the next iteration begins
         self.iter_start = 0  # ``start`` of the iteration under way (or the last)
         # changes with every iteration, new epoch and load: what a CountingLoader
@@ -635,6 +689,19 @@ class PermutationShardSampler(_EpochSampler):
     def keys(self) -> np.ndarray:
         return round_keys(self.seed, self.epoch)
 
+    def _lookup(self):
+        """The epoch's order as a function of positions in ``[0, n)``: the exact
+        permutation (drawn on the first call of the epoch, then reused), or the
+        Feistel network with the epoch's keys."""
+        if self.shuffle == "feistel":
+            keys, n = self.keys(), self.n
+            return lambda p: permute(p, n, keys)
+        if self._order is None or self._order[:2] != (self.seed, self.epoch):
+            self._order = (self.seed, self.epoch,
+                           exact_order(self.n, self.seed, self.epoch))
+        order = self._order[2]
+        return lambda p: order[p]
+
     def global_order(self, positions) -> np.ndarray:
         """The indices at ``positions`` of the epoch's global order (positions past
         ``n`` wrap to the start, as padding does)."""
@@ -645,7 +712,7 @@ class PermutationShardSampler(_EpochSampler):
             return p
         if p.size and int(p.min()) < 0:
             raise ValueError(f"positions must be >= 0, got {int(p.min())}")
-        return permute(p % self.n, self.n, self.keys())
+        return self._lookup()(p % self.n)
 
     def _remaining(self, start: int) -> int:
         return max(self.n - start, 0)
@@ -658,7 +725,7 @@ class PermutationShardSampler(_EpochSampler):
 
     def _chunks(self, start: int, count: int) -> Iterator[list[int]]:
         R = self.num_replicas
-        keys, n = self.keys(), self.n
+        lookup, n = self._lookup(), self.n
         first = start + self.rank
         done, size = 0, _FIRST_CHUNK
         while done < count:
@@ -668,7 +735,7 @@ class PermutationShardSampler(_EpochSampler):
             p += np.uint64(first)
             if first + R * (done + k - 1) >= n:  # padding: wrap to the start
                 p %= np.uint64(n)
-            yield permute(p, n, keys).tolist()
+            yield lookup(p).tolist()
             done += k
             size = min(2 * size, _MAX_CHUNK)
         self.start = 0  # the epoch is finished: a new iteration starts it again
@@ -687,7 +754,8 @@ class PermutationShardSampler(_EpochSampler):
         consumed = self.iter_start + self.num_replicas * received
         return {"n": self.n, "seed": self.seed, "epoch": self.epoch,
                 "consumed": min(consumed, max(self.n, self.iter_start)),
-                "global_batch_size": self.global_batch_size}
+                "global_batch_size": self.global_batch_size,
+                "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state``: the next iteration yields this rank's share of the
@@ -710,6 +778,9 @@ class PermutationShardSampler(_EpochSampler):
                 f"state was saved with a global batch of {saved_batch}, this sampler "
                 f"has num_replicas x batch_size = {self.global_batch_size}: keep "
                 f"the global batch size, so the batches stay the same blocks")
+        if state.get("shuffle", self.shuffle) != self.shuffle:
+            raise ValueError(f"state was saved with the {state['shuffle']} order, this "
+                             f"sampler uses the {self.shuffle} one: keep exact_max_n")
         seed, epoch = check_seed_and_epoch(state["seed"], state["epoch"])
         consumed = check_int("state['consumed']", state["consumed"], minimum=0)
         self.seed, self.epoch, self.start = seed, epoch, consumed
@@ -720,7 +791,8 @@ class PermutationShardSampler(_EpochSampler):
         return (f"PermutationShardSampler(n={self.n}, "
                 f"num_replicas={self.num_replicas}, rank={self.rank}, "
                 f"seed={self.seed}, drop_last={self.drop_last}, "
-                f"batch_size={self.batch_size}, epoch={self.epoch}, "
+                f"batch_size={self.batch_size}, shuffle={self.shuffle!r}, "
+                f"epoch={self.epoch}, "
                 f"start={self.start})")
 
 
