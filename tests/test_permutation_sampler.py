@@ -11,18 +11,20 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from utils.samplers import (CountingLoader, PermutationShardSampler, ShardSampler,
-                            batch_length, permute, round_keys)
+from utils.samplers import (EXACT_MAX_N, CountingLoader, PermutationShardSampler,
+                            ShardSampler, _feistel, batch_length, exact_order,
+                            feistel_bits, permute, round_keys, shard_indices)
 
 # 3 and 4 workers on a 2-core machine: torch warns, the test means it
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
 
-def rank_lists(n, R, seed=0, epoch=0, drop_last=False, state=None, batch_size=None):
+def rank_lists(n, R, seed=0, epoch=0, drop_last=False, state=None, batch_size=None,
+               exact_max_n=EXACT_MAX_N):
     out = []
     for r in range(R):
         s = PermutationShardSampler(n, R, r, seed=seed, drop_last=drop_last,
-                                    batch_size=batch_size)
+                                    batch_size=batch_size, exact_max_n=exact_max_n)
         s.set_epoch(epoch)
         if state is not None:
             s.load_state_dict(state)
@@ -47,17 +49,24 @@ def test_bijection_random_n_up_to_a_million():
         assert np.bincount(values, minlength=n).max() == 1, (n, seed, epoch)
 
 
-def test_every_index_once_over_all_ranks_with_padding_and_drop_last():
+# both orders: the exact one (n up to EXACT_MAX_N) and the Feistel network, forced
+ORDERS = pytest.mark.parametrize("exact_max_n", [EXACT_MAX_N, 0],
+                                 ids=["exact", "feistel"])
+
+
+@ORDERS
+def test_every_index_once_over_all_ranks_with_padding_and_drop_last(exact_max_n):
     for n in (0, 1, 5, 16, 17, 100, 1001):
         for R in range(1, 17):
-            shares = rank_lists(n, R, seed=n + R)
+            shares = rank_lists(n, R, seed=n + R, exact_max_n=exact_max_n)
             per_rank = -(-n // R)
             assert all(len(s) == per_rank for s in shares)
             # rank r holds positions r, r + R, ...: put the global order back together
             order = [shares[p % R][p // R] for p in range(per_rank * R)]
             assert sorted(order[:n]) == list(range(n))
             assert order[n:] == order[:per_rank * R - n]  # padding repeats the start
-            kept = rank_lists(n, R, seed=n + R, drop_last=True)
+            kept = rank_lists(n, R, seed=n + R, drop_last=True,
+                              exact_max_n=exact_max_n)
             assert all(len(s) == n // R for s in kept)
             flat = [kept[p % R][p // R] for p in range(n // R * R)]
             assert flat == order[:n // R * R]
@@ -137,20 +146,23 @@ def consumed_positions(shares, R, per_rank_taken):
     return [shares[p % R][p // R] for p in range(per_rank_taken * R)]
 
 
-def test_resume_and_elastic_resume_all_world_sizes():
+@ORDERS
+def test_resume_and_elastic_resume_all_world_sizes(exact_max_n):
     rng = random.Random(0)
     for R in range(1, 17):
         for R2 in range(1, 17):
             n = rng.randrange(0, 300)
             seed, epoch = rng.randrange(1000), rng.randrange(5)
-            first = rank_lists(n, R, seed, epoch)
+            first = rank_lists(n, R, seed, epoch, exact_max_n=exact_max_n)
             taken = rng.randrange(0, len(first[0]) + 1)
-            sampler = PermutationShardSampler(n, R, rng.randrange(R), seed=seed)
+            sampler = PermutationShardSampler(n, R, rng.randrange(R), seed=seed,
+                                              exact_max_n=exact_max_n)
             sampler.set_epoch(epoch)
             iter(sampler)
             state = sampler.state_dict(received=taken)
             assert state["consumed"] == min(taken * R, n)
-            second = rank_lists(n, R2, seed=seed, epoch=epoch, state=state)
+            second = rank_lists(n, R2, seed=seed, epoch=epoch, state=state,
+                                exact_max_n=exact_max_n)
             seen = consumed_positions(first, R, taken)[:n]
             rest = [second[p % R2][p // R2] for p in range(len(second[0]) * R2)]
             unseen = n - len(seen)
@@ -385,3 +397,171 @@ def test_drop_last_resumed_on_fewer_ranks_delivers_the_tail_the_wider_run_droppe
     rest = list(one)
     seen = [i for s in first for i in list(s)[:2]]
     assert len(rest) == n - 8 and sorted(seen + rest) == list(range(n))
+
+
+# --- what a shuffle must be: joint statistics, each beside torch.randperm -----------
+# The same statistic over the same seeds for three orders: ours as the sampler draws it
+# (below EXACT_MAX_N: exact Fisher-Yates), ours forced onto the Feistel network
+# (exact_max_n=0, what n above 2**20 get), and torch.randperm seeded as
+# DistributedSampler seeds it (seed + epoch). Before issue 23 (4 Feistel rounds) the
+# old order gave a first-pair chi-square of 2,768 at n = 8, 536 for the most frequent
+# order at n = 5 and 2.50-2.80 neighbours per order at n = 10**3-10**4.
+
+
+def feistel_many(positions, n, seeds, epoch=0):
+    """``permute(positions, n, round_keys(seed, epoch))`` for many seeds at once (one
+    row per seed): ``_feistel`` takes one key per element, and the cycle walk below is
+    ``permute``'s (checked against it)."""
+    keys = np.stack([round_keys(s, epoch) for s in seeds], axis=1)  # rounds x seeds
+    k = len(positions)
+    keys = np.repeat(keys, k, axis=1)
+    x = np.tile(np.asarray(positions, dtype=np.uint64), len(seeds))
+    bits = feistel_bits(n)
+    x = _feistel(x, bits, keys)
+    outside = np.flatnonzero(x >= np.uint64(n))
+    while outside.size:
+        x[outside] = _feistel(x[outside], bits, keys[:, outside])
+        outside = outside[x[outside] >= np.uint64(n)]
+    out = x.astype(np.int64).reshape(len(seeds), k)
+    for s in seeds[:3]:
+        assert np.array_equal(out[seeds.index(s)],
+                              permute(positions, n, round_keys(s, epoch)))
+    return out
+
+
+def first_k(kind, n, k, seeds, epoch=0):
+    """The first ``k`` indices of each seed's order of ``[0, n)``, one row per seed."""
+    if kind == "feistel":
+        return feistel_many(np.arange(k), n, list(seeds), epoch)
+    if kind == "torch.randperm":
+        return np.stack([shard_indices(n, 1, 0, seed=s, epoch=epoch)[:k].numpy()
+                         for s in seeds])
+    rows = []
+    for s in seeds:
+        sampler = PermutationShardSampler(n, 1, 0, seed=s)
+        sampler.set_epoch(epoch)
+        rows.append(sampler.global_order(np.arange(k)))
+    return np.stack(rows)
+
+
+KINDS = ["exact", "feistel", "torch.randperm"]
+
+
+def pair_chi_square(pairs, n):
+    """Chi-square of the ordered pairs of distinct values against uniform
+    (df n(n - 1) - 1)."""
+    counts = np.zeros((n, n))
+    np.add.at(counts, (pairs[:, 0], pairs[:, 1]), 1)
+    expected = len(pairs) / (n * (n - 1))
+    off = ~np.eye(n, dtype=bool)
+    assert counts[~off].sum() == 0
+    return float(((counts[off] - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_first_pair_at_n8_is_uniform_like_randperm(kind):
+    """The first two indices at n = 8 over 28,000 seeds: 56 pairs, df 55 (99% of
+    uniform draws below 82). Old order: 2,768."""
+    stat = pair_chi_square(first_k(kind, 8, 2, range(28000)), 8)
+    print(f"{kind}: chi-square {stat:.1f}")
+    assert stat < 100, (kind, stat)
+
+
+@pytest.mark.parametrize("kind", ["exact", "torch.randperm"])
+def test_most_frequent_whole_order_at_n5_like_randperm(kind):
+    """Whole orders at n = 5 over 20,000 seeds: 167 each expected, the most frequent
+    about 200 for uniform draws. Old order: 536. (The Feistel network, forced here,
+    gives a most frequent order of 216 but a chi-square over the 120 orders of 305 at
+    df 119: at tiny n it is measurably non-uniform, which is why the sampler shuffles
+    exactly below EXACT_MAX_N; see the parity test below.)"""
+    orders = first_k(kind, 5, 5, range(20000))
+    _, counts = np.unique(orders, axis=0, return_counts=True)
+    print(f"{kind}: {len(counts)} orders, most frequent {counts.max()}")
+    assert len(counts) == 120 and counts.max() < 235, (kind, counts.max())
+
+
+def neighbours(order):
+    return int((np.abs(np.diff(order)) == 1).sum())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n,seeds", [(10**3, 200), (10**4, 50)])
+def test_neighbours_stay_apart_like_randperm(kind, n, seeds):
+    """Positions p where |order[p+1] - order[p]| == 1, per order: about 2 for a
+    uniform permutation. Old order: 2.80 at n = 10**3, 2.50 at n = 10**4: a data set
+    stored in order kept some of its locality."""
+    mean = np.mean([neighbours(row) for row in first_k(kind, n, n, range(seeds))])
+    print(f"{kind}: {mean:.2f} neighbours per order")
+    assert 1.6 <= mean <= 2.4, (kind, mean)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_consecutive_epochs_are_independent_like_randperm(kind):
+    """Epoch e and e + 1 of the same seed: the pair (first index of e, first index of
+    e + 1) at n = 8 is uniform over the 64 cells, and at n = 1000 where an index sits
+    in one epoch says nothing of where it sits in the next (position correlation)."""
+    seeds = range(1, 28001)
+    pairs = np.stack([first_k(kind, 8, 1, seeds, epoch=3)[:, 0],
+                      first_k(kind, 8, 1, seeds, epoch=4)[:, 0]], axis=1)
+    counts = np.zeros((8, 8))
+    np.add.at(counts, (pairs[:, 0], pairs[:, 1]), 1)
+    assert chi_square_p(counts) > 1e-3, (kind, counts)
+    n = 1000
+    e3, e4 = first_k(kind, n, n, range(100), 3), first_k(kind, n, n, range(100), 4)
+    r = [np.corrcoef(np.argsort(a), np.argsort(b))[0, 1] for a, b in zip(e3, e4)]
+    print(f"{kind}: p = {chi_square_p(counts):.3f}, mean r {np.mean(r):+.4f}, "
+          f"largest |r| {np.max(np.abs(r)):.3f}")
+    assert abs(np.mean(r)) < 0.015 and np.max(np.abs(r)) < 0.15, (kind, r)
+
+
+def parity(order):
+    seen, cycles = np.zeros(len(order), dtype=bool), 0
+    for i in range(len(order)):
+        cycles += not seen[i]
+        while not seen[i]:
+            seen[i], i = True, order[i]
+    return (len(order) - cycles) % 2
+
+
+def test_feistel_orders_of_a_power_of_two_are_all_even_the_exact_ones_are_not():
+    """The limit of the Feistel path, documented: on [0, 2**b) with halves of 2 bits or
+    more each round is an even permutation, so at n = 16 or 64 only half of the n!
+    orders can occur, whatever the keys and the number of rounds. Below EXACT_MAX_N the
+    sampler draws an exact permutation, which takes both parities."""
+    for n in (16, 64):
+        feistel = [parity(o) for o in feistel_many(np.arange(n), n, list(range(200)))]
+        exact = [parity(o) for o in first_k("exact", n, n, range(200))]
+        assert sum(feistel) == 0, n
+        assert 60 < sum(exact) < 140, n
+
+
+def test_the_sampler_shuffles_exactly_up_to_exact_max_n_and_keeps_the_order():
+    assert PermutationShardSampler(EXACT_MAX_N, 1, 0).shuffle == "exact"
+    assert PermutationShardSampler(EXACT_MAX_N + 1, 1, 0).shuffle == "feistel"
+    s = PermutationShardSampler(1000, 4, 1, seed=9)
+    s.set_epoch(2)
+    order = exact_order(1000, 9, 2)
+    assert list(s) == order[1::4].tolist()
+    kept = s._order[2]
+    assert list(s) == order[1::4].tolist() and s._order[2] is kept  # drawn once
+    s.set_epoch(3)
+    assert list(s) == exact_order(1000, 9, 3)[1::4].tolist()
+    forced = PermutationShardSampler(1000, 4, 1, seed=9, exact_max_n=0)
+    forced.set_epoch(2)
+    assert list(forced) == permute(np.arange(1, 1000, 4), 1000,
+                                   round_keys(9, 2)).tolist()
+    with pytest.raises(ValueError, match="exact_max_n"):
+        forced.load_state_dict(s.state_dict())
+
+
+EXACT_PIN = [5, 8, 6, 9, 1, 3, 2, 0, 7, 4]
+FEISTEL_PIN = [4, 7, 3, 8, 0, 6, 9, 1, 2, 5]
+
+
+def test_orders_are_pinned():
+    """Both orders are part of every checkpoint: a change of construction (or a NumPy
+    release that draws Generator.permutation differently: NumPy promises stable
+    streams for SeedSequence and PCG64, not for permutation) would make a resumed
+    epoch repeat and lose samples. The Feistel order is plain uint64 arithmetic."""
+    assert exact_order(10, 0, 0).tolist() == EXACT_PIN
+    assert permute(np.arange(10), 10, round_keys(0, 0)).tolist() == FEISTEL_PIN

@@ -587,9 +587,10 @@ def permute(positions, n: int, keys: np.ndarray) -> np.ndarray:
     the values that land outside ``[0, n)`` (cycle walking) until all are inside.
 
     This is the sampler's order above ``EXACT_MAX_N``. Every pass is an even permutation
-    of ``[0, 2**bits)`` (each round is, on halves of 2 bits or more), so at ``n = 2**bits`` (16, 64, 256, ...) only
-    half of the ``n!`` orders can occur: whole orders cannot be uniform at tiny ``n``,
-    which is one reason the sampler shuffles exactly below ``EXACT_MAX_N``."""
+    of ``[0, 2**bits)`` (each round is, on halves of 2 bits or more), so at
+    ``n = 2**bits`` (16, 64, 256, ...) only half of the ``n!`` orders can occur: whole
+    orders cannot be uniform at tiny ``n``, which is one reason the sampler shuffles
+    exactly below ``EXACT_MAX_N``."""
     x = np.asarray(positions, dtype=np.uint64)
     if x.size and int(x.max()) >= n:
         raise ValueError(f"positions must lie in [0, n) = [0, {n}), "
