@@ -296,55 +296,140 @@ def test_bench_samplers_measures_both_in_fresh_processes():
 
 # --- a checkpoint at any moment: nothing lost, nothing repeated ------------------------
 
-def two_epochs(n, B, workers, persistent, stop_epoch, stop_batch):
-    """Epochs 0 and 1 of a training loop that saves its CountingLoader's state at batch
-    ``stop_batch`` of epoch ``stop_epoch`` (0: after set_epoch, before the first batch;
-    the number of batches: after the last, before the next set_epoch) and resumes in a
-    fresh loader. Returns each epoch's samples, in the order received."""
-    def make():
-        sampler = PermutationShardSampler(n, 1, 0, seed=3)
-        return CountingLoader(DataLoader(Indices(n), batch_size=B, sampler=sampler,
-                                         num_workers=workers,
-                                         persistent_workers=persistent and workers > 0))
-    loader, got, state = make(), {0: [], 1: []}, None
+def make_loader(kind, n, B, workers, persistent, seed=3):
+    sampler = PermutationShardSampler(n, 1, 0, seed=seed)
+    options = dict(batch_size=B, sampler=sampler, num_workers=workers,
+                   persistent_workers=persistent and workers > 0)
+    if kind == "StatefulDataLoader":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+        return StatefulDataLoader(Indices(n), **options)
+    return CountingLoader(DataLoader(Indices(n), **options))
+
+
+def two_epochs(n, B, workers, persistent, stop_epoch, stop_batch,
+               kind="CountingLoader"):
+    """Epochs 0 and 1 of a training loop that saves its loader's state (and its own
+    epoch counter) at batch ``stop_batch`` of epoch ``stop_epoch`` (0: after
+    set_epoch, before the first batch; the number of batches: after the last, before
+    the next set_epoch) and resumes in a fresh loader, which it gives the state and
+    then calls set_epoch on, as a restarted script would. Returns each epoch's
+    samples, in the order received."""
+    loader = make_loader(kind, n, B, workers, persistent)
+    got, saved = {0: [], 1: []}, None
     for epoch in (0, 1):
         loader.sampler.set_epoch(epoch)
         if (epoch, 0) == (stop_epoch, stop_batch):
-            state = loader.state_dict()
+            saved = epoch, loader.state_dict()
             break
         for b, batch in enumerate(loader, start=1):
             got[epoch] += batch.tolist()
             if (epoch, b) == (stop_epoch, stop_batch):
-                state = loader.state_dict()
+                saved = epoch, loader.state_dict()
                 break
-        if state is not None:
+        if saved is not None:
             break
-    if state is None:  # never stopped
+    if saved is None:  # never stopped
         return got
-    resumed = make()
-    resumed.load_state_dict(state)
-    for epoch in (state["epoch"], 1)[: 2 - state["epoch"]]:
+    resumed = make_loader(kind, n, B, workers, persistent)
+    resumed.load_state_dict(saved[1])
+    for epoch in range(saved[0], 2):
         resumed.sampler.set_epoch(epoch)
         for batch in resumed:
             got[epoch] += batch.tolist()
     return got
 
 
+# StatefulDataLoader calls torch.set_vital, which torch 2.14 says is deprecated
+STATEFUL = pytest.param("StatefulDataLoader", marks=pytest.mark.filterwarnings(
+    "ignore:'set_vital' is deprecated"))
+
+
+@pytest.mark.parametrize("kind", ["CountingLoader", STATEFUL])
 @pytest.mark.parametrize("workers,persistent", [(0, False), (1, False), (2, True),
                                                 (3, False), (4, True)])
 @pytest.mark.parametrize("moment", ["before the first batch", "mid-epoch",
                                     "after the last batch", "next epoch's start"])
 def test_a_checkpoint_at_any_moment_resumes_to_exactly_the_uninterrupted_epochs(
-        workers, persistent, moment):
+        workers, persistent, moment, kind):
     """On main, a state taken after set_epoch(1) and before its first batch read
-    {'epoch': 1, 'consumed': 40} and the resumed epoch yielded nothing."""
+    {'epoch': 1, 'consumed': 40} and the resumed epoch yielded nothing. Under
+    StatefulDataLoader (which snapshots the sampler's state in step with each batch,
+    and loads it only at the next iteration, after the script's set_epoch) the
+    sampler's own state, from what it has handed out, is the one saved."""
+    if kind == "StatefulDataLoader":
+        pytest.importorskip("torchdata.stateful_dataloader")
     n, B = 40, 4
     stop = {"before the first batch": (0, 0), "mid-epoch": (0, 4),
             "after the last batch": (0, n // B), "next epoch's start": (1, 0)}[moment]
-    got = two_epochs(n, B, workers, persistent, *stop)
+    got = two_epochs(n, B, workers, persistent, *stop, kind=kind)
     whole = two_epochs(n, B, 0, False, 9, 9)  # never stops
     assert got == whole
     assert all(sorted(order) == list(range(n)) for order in got.values())
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_state_resumes_on_fewer_ranks(workers):
+    """The sampler's state inside a StatefulDataLoader's is the global position, so a
+    4-rank state resumes on 2 ranks (StatefulDataLoader itself insists on the same
+    num_workers)."""
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+    n, stop = 203, 5
+
+    def loaders(R, B, state=None):
+        out = []
+        for r in range(R):
+            sampler = PermutationShardSampler(n, R, r, seed=11, batch_size=B)
+            sampler.set_epoch(2)
+            loader = sdl.StatefulDataLoader(Indices(n), batch_size=B, sampler=sampler,
+                                            num_workers=workers)
+            if state is not None:
+                loader.load_state_dict(state)
+            out.append(loader)
+        return out
+
+    seen, states = [], []
+    for loader in loaders(4, 3):
+        it = iter(loader)
+        seen += [i for _ in range(stop) for i in next(it).tolist()]
+        states.append(loader.state_dict())
+        del it
+    rest = [[i for batch in loader for i in batch.tolist()]
+            for loader in loaders(2, 6, state=states[0])]
+    flat = [rest[p % 2][p // 2] for p in range(2 * len(rest[0]))]
+    assert sorted(seen + flat[:n - len(seen)]) == list(range(n))
+
+
+def test_the_sampler_alone_counts_what_it_handed_out():
+    sampler = PermutationShardSampler(100, 2, 1, seed=5)
+    assert sampler.yielded() == 0 and sampler.state_dict()["consumed"] == 0
+    it = iter(sampler)
+    taken = [next(it) for _ in range(7)]
+    assert sampler.yielded() == 7 and sampler.state_dict()["consumed"] == 14
+    assert sampler.state_dict(received=3)["consumed"] == 6
+    rest = list(it)
+    assert sampler.yielded() == 50 and sampler.state_dict()["consumed"] == 100
+    assert sorted(taken + rest) == sorted(list(PermutationShardSampler(100, 2, 1,
+                                                                       seed=5)))
+    sampler.set_epoch(1)
+    assert sampler.yielded() == 0 and sampler.state_dict()["consumed"] == 0
+
+
+def test_a_finished_epochs_state_loaded_after_set_epoch_starts_the_new_epoch():
+    done = PermutationShardSampler(40, 1, 0, seed=3)
+    list(done)
+    state = done.state_dict()
+    assert (state["epoch"], state["consumed"]) == (0, 40)
+    later = PermutationShardSampler(40, 1, 0, seed=3)
+    later.set_epoch(1)
+    later.load_state_dict(state)  # epoch 0 is over: the new epoch stays, from its start
+    fresh = PermutationShardSampler(40, 1, 0, seed=3)
+    fresh.set_epoch(1)
+    assert list(later) == list(fresh)
+    unfinished = PermutationShardSampler(40, 1, 0, seed=3)
+    unfinished.set_epoch(1)
+    unfinished.load_state_dict(dict(state, consumed=20))  # not over: the state wins
+    assert unfinished.epoch == 0 and len(unfinished) == 20
 
 
 def test_in_order_false_is_refused_with_workers():

@@ -669,6 +669,9 @@ class PermutationShardSampler(_EpochSampler):
         # changes with every iteration, new epoch and load: what a CountingLoader
         # received belongs to the iteration it saw start
         self.generation = 0
+        # (generation, positions before the chunk being handed out, its length, its
+        # iterator): how far the iteration under way has got, read without a counter
+        self._progress = (0, 0, 0, iter(()))
 
     @property
     def global_batch_size(self) -> int | None:
@@ -718,13 +721,17 @@ class PermutationShardSampler(_EpochSampler):
     def _remaining(self, start: int) -> int:
         return max(self.n - start, 0)
 
-    def __len__(self) -> int:
-        left = self._remaining(self.start)
+    def _count(self, start: int) -> int:
+        """This rank's share of the positions from ``start`` to the epoch's end."""
+        left = self._remaining(start)
         if self.drop_last:
             return left // self.num_replicas
         return -(-left // self.num_replicas)
 
-    def _chunks(self, start: int, count: int) -> Iterator[list[int]]:
+    def __len__(self) -> int:
+        return self._count(self.start)
+
+    def _chunks(self, start: int, count: int, generation: int) -> Iterator:
         R = self.num_replicas
         lookup, n = self._lookup(), self.n
         first = start + self.rank
@@ -736,7 +743,9 @@ class PermutationShardSampler(_EpochSampler):
             p += np.uint64(first)
             if first + R * (done + k - 1) >= n:  # padding: wrap to the start
                 p %= np.uint64(n)
-            yield lookup(p).tolist()
+            chunk = iter(lookup(p).tolist())
+            self._progress = (generation, done, k, chunk)
+            yield chunk
             done += k
             size = min(2 * size, _MAX_CHUNK)
         self.start = 0  # the epoch is finished: a new iteration starts it again
@@ -744,13 +753,28 @@ class PermutationShardSampler(_EpochSampler):
     def __iter__(self) -> Iterator[int]:
         self.iter_start = self.start
         self.generation += 1
-        return itertools.chain.from_iterable(self._chunks(self.start, len(self)))
+        return itertools.chain.from_iterable(
+            self._chunks(self.start, len(self), self.generation))
 
-    def state_dict(self, received: int = 0) -> dict:
+    def yielded(self) -> int:
+        """How many indices the iteration under way has handed out so far (0 before
+        its first, and after ``set_epoch`` or a load). A DataLoader with workers takes
+        them ahead of the training loop."""
+        generation, done, k, chunk = self._progress
+        if generation != self.generation:
+            return 0
+        return done + k - chunk.__length_hint__()
+
+    def state_dict(self, received: int | None = None) -> dict:
         """``(seed, epoch, consumed)``: ``received`` is how many indices this rank's
         training loop got in the current iteration (:class:`CountingLoader` passes
         it); every rank has received as many, so ``consumed`` counts them ``R``
-        times."""
+        times. Without it, the indices the sampler has handed out count
+        (:meth:`yielded`): right where the sampler's state is taken in step with the
+        batches, as torchdata's ``StatefulDataLoader`` does; ahead of the loop by the
+        prefetch when read from a running plain DataLoader."""
+        if received is None:
+            received = self.yielded()
         received = check_int("received", received, minimum=0)
         consumed = self.iter_start + self.num_replicas * received
         return {"n": self.n, "seed": self.seed, "epoch": self.epoch,
@@ -784,6 +808,10 @@ class PermutationShardSampler(_EpochSampler):
                              f"sampler uses the {self.shuffle} one: keep exact_max_n")
         seed, epoch = check_seed_and_epoch(state["seed"], state["epoch"])
         consumed = check_int("state['consumed']", state["consumed"], minimum=0)
+        if epoch < self.epoch and self._count(consumed) == 0:
+            # the state's epoch is over and set_epoch has already chosen a later one:
+            # a loader that loads at its next iteration (StatefulDataLoader) does this
+            epoch, consumed = self.epoch, 0
         self.seed, self.epoch, self.start = seed, epoch, consumed
         self.iter_start = consumed
         self.generation += 1
