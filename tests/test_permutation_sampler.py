@@ -269,6 +269,9 @@ def test_bad_input_is_refused_clearly():
         s.load_state_dict(PermutationShardSampler(11, 1, 0).state_dict())
     with pytest.raises(ValueError, match="global batch"):
         s.load_state_dict(PermutationShardSampler(10, 1, 0, batch_size=2).state_dict())
+    old = {"n": 10, "seed": 0, "epoch": 0, "consumed": 4, "global_batch_size": 4}
+    with pytest.raises(ValueError, match="first version"):  # saved before issue 23
+        s.load_state_dict(old)
     with pytest.raises(ValueError, match="lacks"):
         s.load_state_dict({"n": 10})
     with pytest.raises(TypeError, match="dict"):

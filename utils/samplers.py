@@ -803,7 +803,14 @@ class PermutationShardSampler(_EpochSampler):
                 f"state was saved with a global batch of {saved_batch}, this sampler "
                 f"has num_replicas x batch_size = {self.global_batch_size}: keep "
                 f"the global batch size, so the batches stay the same blocks")
-        if state.get("shuffle", self.shuffle) != self.shuffle:
+        if "shuffle" not in state:
+            raise ValueError(
+                "state has no 'shuffle': it was saved by the first version of "
+                "PermutationShardSampler, whose order (a 4-round Feistel network) this "
+                "version no longer draws, so resuming it would repeat some samples and "
+                "skip others; finish that epoch with the version that saved it, or "
+                "start it over (set_epoch(state['epoch']) without loading)")
+        if state["shuffle"] != self.shuffle:
             raise ValueError(f"state was saved with the {state['shuffle']} order, this "
                              f"sampler uses the {self.shuffle} one: keep exact_max_n")
         seed, epoch = check_seed_and_epoch(state["seed"], state["epoch"])
