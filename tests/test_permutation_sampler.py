@@ -12,8 +12,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from utils.samplers import (EXACT_MAX_N, CountingLoader, PermutationShardSampler,
-                            ShardSampler, _feistel, batch_length, exact_order,
-                            feistel_bits, permute, round_keys, shard_indices)
+                            ShardSampler, batch_length, exact_order, feistel_bits,
+                            permute, round_keys, shard_indices)
+from utils.shuffle_quality import (epoch_correlation, first_pair_chi_square,
+                                   neighbours_per_order, orders, parity, whole_orders)
 
 # 3 and 4 workers on a 2-core machine: torch warns, the test means it
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
@@ -496,61 +498,14 @@ def test_drop_last_resumed_on_fewer_ranks_delivers_the_tail_the_wider_run_droppe
 # order at n = 5 and 2.50-2.80 neighbours per order at n = 10**3-10**4.
 
 
-def feistel_many(positions, n, seeds, epoch=0):
-    """``permute(positions, n, round_keys(seed, epoch))`` for many seeds at once (one
-    row per seed): ``_feistel`` takes one key per element, and the cycle walk below is
-    ``permute``'s (checked against it)."""
-    keys = np.stack([round_keys(s, epoch) for s in seeds], axis=1)  # rounds x seeds
-    k = len(positions)
-    keys = np.repeat(keys, k, axis=1)
-    x = np.tile(np.asarray(positions, dtype=np.uint64), len(seeds))
-    bits = feistel_bits(n)
-    x = _feistel(x, bits, keys)
-    outside = np.flatnonzero(x >= np.uint64(n))
-    while outside.size:
-        x[outside] = _feistel(x[outside], bits, keys[:, outside])
-        outside = outside[x[outside] >= np.uint64(n)]
-    out = x.astype(np.int64).reshape(len(seeds), k)
-    for s in seeds[:3]:
-        assert np.array_equal(out[seeds.index(s)],
-                              permute(positions, n, round_keys(s, epoch)))
-    return out
-
-
-def first_k(kind, n, k, seeds, epoch=0):
-    """The first ``k`` indices of each seed's order of ``[0, n)``, one row per seed."""
-    if kind == "feistel":
-        return feistel_many(np.arange(k), n, list(seeds), epoch)
-    if kind == "torch.randperm":
-        return np.stack([shard_indices(n, 1, 0, seed=s, epoch=epoch)[:k].numpy()
-                         for s in seeds])
-    rows = []
-    for s in seeds:
-        sampler = PermutationShardSampler(n, 1, 0, seed=s)
-        sampler.set_epoch(epoch)
-        rows.append(sampler.global_order(np.arange(k)))
-    return np.stack(rows)
-
-
 KINDS = ["exact", "feistel", "torch.randperm"]
-
-
-def pair_chi_square(pairs, n):
-    """Chi-square of the ordered pairs of distinct values against uniform
-    (df n(n - 1) - 1)."""
-    counts = np.zeros((n, n))
-    np.add.at(counts, (pairs[:, 0], pairs[:, 1]), 1)
-    expected = len(pairs) / (n * (n - 1))
-    off = ~np.eye(n, dtype=bool)
-    assert counts[~off].sum() == 0
-    return float(((counts[off] - expected) ** 2 / expected).sum())
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_first_pair_at_n8_is_uniform_like_randperm(kind):
     """The first two indices at n = 8 over 28,000 seeds: 56 pairs, df 55 (99% of
     uniform draws below 82). Old order: 2,768."""
-    stat = pair_chi_square(first_k(kind, 8, 2, range(28000)), 8)
+    stat = first_pair_chi_square(kind, 8, 28000)
     print(f"{kind}: chi-square {stat:.1f}")
     assert stat < 100, (kind, stat)
 
@@ -562,14 +517,9 @@ def test_most_frequent_whole_order_at_n5_like_randperm(kind):
     gives a most frequent order of 216 but a chi-square over the 120 orders of 305 at
     df 119: at tiny n it is measurably non-uniform, which is why the sampler shuffles
     exactly below EXACT_MAX_N; see the parity test below.)"""
-    orders = first_k(kind, 5, 5, range(20000))
-    _, counts = np.unique(orders, axis=0, return_counts=True)
-    print(f"{kind}: {len(counts)} orders, most frequent {counts.max()}")
-    assert len(counts) == 120 and counts.max() < 235, (kind, counts.max())
-
-
-def neighbours(order):
-    return int((np.abs(np.diff(order)) == 1).sum())
+    distinct, most = whole_orders(kind, 5, 20000)
+    print(f"{kind}: {distinct} orders, most frequent {most}")
+    assert distinct == 120 and most < 235, (kind, most)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -578,7 +528,7 @@ def test_neighbours_stay_apart_like_randperm(kind, n, seeds):
     """Positions p where |order[p+1] - order[p]| == 1, per order: about 2 for a
     uniform permutation. Old order: 2.80 at n = 10**3, 2.50 at n = 10**4: a data set
     stored in order kept some of its locality."""
-    mean = np.mean([neighbours(row) for row in first_k(kind, n, n, range(seeds))])
+    mean = neighbours_per_order(kind, n, seeds)
     print(f"{kind}: {mean:.2f} neighbours per order")
     assert 1.6 <= mean <= 2.4, (kind, mean)
 
@@ -589,26 +539,23 @@ def test_consecutive_epochs_are_independent_like_randperm(kind):
     e + 1) at n = 8 is uniform over the 64 cells, and at n = 1000 where an index sits
     in one epoch says nothing of where it sits in the next (position correlation)."""
     seeds = range(1, 28001)
-    pairs = np.stack([first_k(kind, 8, 1, seeds, epoch=3)[:, 0],
-                      first_k(kind, 8, 1, seeds, epoch=4)[:, 0]], axis=1)
+    pairs = np.stack([orders(kind, 8, 1, seeds, epoch=3)[:, 0],
+                      orders(kind, 8, 1, seeds, epoch=4)[:, 0]], axis=1)
     counts = np.zeros((8, 8))
     np.add.at(counts, (pairs[:, 0], pairs[:, 1]), 1)
     assert chi_square_p(counts) > 1e-3, (kind, counts)
-    n = 1000
-    e3, e4 = first_k(kind, n, n, range(100), 3), first_k(kind, n, n, range(100), 4)
-    r = [np.corrcoef(np.argsort(a), np.argsort(b))[0, 1] for a, b in zip(e3, e4)]
-    print(f"{kind}: p = {chi_square_p(counts):.3f}, mean r {np.mean(r):+.4f}, "
-          f"largest |r| {np.max(np.abs(r)):.3f}")
-    assert abs(np.mean(r)) < 0.015 and np.max(np.abs(r)) < 0.15, (kind, r)
+    mean, largest = epoch_correlation(kind, 1000, 100)
+    print(f"{kind}: p = {chi_square_p(counts):.3f}, mean r {mean:+.4f}, "
+          f"largest |r| {largest:.3f}")
+    assert abs(mean) < 0.015 and largest < 0.15, (kind, mean, largest)
 
 
-def parity(order):
-    seen, cycles = np.zeros(len(order), dtype=bool), 0
-    for i in range(len(order)):
-        cycles += not seen[i]
-        while not seen[i]:
-            seen[i], i = True, order[i]
-    return (len(order) - cycles) % 2
+def test_the_first_versions_order_is_kept_only_as_the_chapters_counterexample():
+    """The 4-round network the sampler drew before issue 23, as the chapter's table
+    shows it: the figures the issue reported, reproduced."""
+    assert round(first_pair_chi_square("first version")) == 2768
+    assert whole_orders("first version", 5, 20000)[1] == 536
+    assert round(neighbours_per_order("first version", 10**4, 50), 2) == 2.50
 
 
 def test_feistel_orders_of_a_power_of_two_are_all_even_the_exact_ones_are_not():
@@ -617,8 +564,8 @@ def test_feistel_orders_of_a_power_of_two_are_all_even_the_exact_ones_are_not():
     orders can occur, whatever the keys and the number of rounds. Below EXACT_MAX_N the
     sampler draws an exact permutation, which takes both parities."""
     for n in (16, 64):
-        feistel = [parity(o) for o in feistel_many(np.arange(n), n, list(range(200)))]
-        exact = [parity(o) for o in first_k("exact", n, n, range(200))]
+        feistel = [parity(o) for o in orders("feistel", n, n, range(200))]
+        exact = [parity(o) for o in orders("exact", n, n, range(200))]
         assert sum(feistel) == 0, n
         assert 60 < sum(exact) < 140, n
 
