@@ -18,9 +18,9 @@ import sys
 import time
 
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import BatchSampler, DistributedSampler
 
-from .samplers import ShardSampler
+from .samplers import PermutationShardSampler, ShardSampler
 
 __all__ = ["bench_sampler", "bench_samplers", "bench_ddp", "bench_restart",
            "environment"]
@@ -79,24 +79,63 @@ def bench_sampler(n: int = 10**7, num_replicas: int = 8, repeats: int = 5,
     }
 
 
+def _make_sampler(kind: str, n: int, num_replicas: int):
+    """Rank 0's sampler of ``kind``: "torch" (``DistributedSampler``) or "ours"
+    (``PermutationShardSampler``)."""
+    if kind == "torch":
+        return DistributedSampler(range(n), num_replicas=num_replicas, rank=0)
+    return PermutationShardSampler(n, num_replicas, 0)
+
+
+# The loop bodies timed, by name: each takes one rank's whole epoch and returns how
+# many indices it got.
+def _plain_loop(sampler) -> int:
+    for _ in sampler:
+        pass
+    return len(sampler)
+
+
+def _count_loop(sampler) -> int:
+    count = 0
+    for _ in sampler:
+        count += 1
+    return count
+
+
+def _batch_sampler_loop(sampler) -> int:
+    batches = BatchSampler(sampler, 256, False)
+    for _ in batches:
+        pass
+    return len(sampler)
+
+
+def _index_batches_loop(sampler) -> int:
+    for _ in sampler.index_batches(256):
+        pass
+    return sampler.yielded()
+
+
+_LOOPS = {"for i in sampler: pass": _plain_loop,
+          "for i in sampler: count += 1": _count_loop,
+          "BatchSampler(sampler, 256, False) (what a DataLoader does)":
+              _batch_sampler_loop,
+          "sampler.index_batches(256) (NumPy)": _index_batches_loop}
+_OURS_ONLY = ("sampler.index_batches(256) (NumPy)",)
+
+
 def _sampler_case(kind: str, n: int, num_replicas: int) -> dict:
     """One rank's epoch of ``kind`` ("torch" or "ours") at ``n``, in this process:
-    time to the first index, time for the whole epoch, peak memory added."""
+    time to the first index, time for the whole epoch with ``for i in sampler: pass``,
+    peak memory added; then the rate of each loop body of ``_LOOPS``, over the whole
+    epoch of a fresh sampler (the process warmed up by the first epoch)."""
     import resource
-
-    from torch.utils.data import DistributedSampler
-
-    from .samplers import PermutationShardSampler
 
     def peak_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
     before = peak_bytes()
     start = time.perf_counter()
-    if kind == "torch":
-        sampler = DistributedSampler(range(n), num_replicas=num_replicas, rank=0)
-    else:
-        sampler = PermutationShardSampler(n, num_replicas, 0)
+    sampler = _make_sampler(kind, n, num_replicas)
     it = iter(sampler)
     next(it)
     first = time.perf_counter() - start
@@ -104,9 +143,41 @@ def _sampler_case(kind: str, n: int, num_replicas: int) -> dict:
         pass
     epoch = time.perf_counter() - start
     count = len(sampler)
-    return {"first_index_s": first, "epoch_s": epoch, "indices": count,
+    case = {"first_index_s": first, "epoch_s": epoch, "indices": count,
             "indices_per_s": count / epoch,
             "peak_added_mb": (peak_bytes() - before) / 1e6}
+    del it
+    rates = {}
+    for name, loop in _LOOPS.items():
+        if kind == "torch" and name in _OURS_ONLY:
+            continue
+        start = time.perf_counter()
+        got = loop(_make_sampler(kind, n, num_replicas))
+        rates[name] = count / (time.perf_counter() - start)
+        assert got == count, f"{name}: {got} indices, expected {count}"
+    return dict(case, rates_per_s=rates)
+
+
+_METHOD = (
+    "one run; each case in a fresh Python process, rank 0 of num_replicas (torch: "
+    "DistributedSampler(range(n), num_replicas, rank=0); ours: "
+    "PermutationShardSampler(n, num_replicas, 0)). first_index_s: building the "
+    "sampler, iter(), next(), the process's first epoch. epoch_s: building the sampler "
+    "to the end of that first epoch, the rank's whole epoch taken with a plain `for i "
+    "in sampler: pass` (first index included); indices_per_s = indices / epoch_s. "
+    "peak_added_mb: ru_maxrss after that epoch minus before, in that process. "
+    "rates_per_s: then, in the same process, each loop body once over the rank's "
+    "whole epoch (indices), from building a fresh sampler to the end of the loop, "
+    "one body after the other, each loop inside a function (local variables): "
+    "'for i in sampler: pass' (the same loop as epoch_s, timed again, warm); 'for i "
+    "in sampler: count += 1' (a counter per index); 'BatchSampler(sampler, 256, "
+    "False) (what a DataLoader does)': `for batch in BatchSampler(sampler, 256, "
+    "False): pass`, lists of 256 Python ints, as a DataLoader with batch_size=256 "
+    "makes them; 'sampler.index_batches(256) (NumPy)': `for batch in "
+    "sampler.index_batches(256): pass`, int64 arrays of 256, no Python int per "
+    "index (ours only). The loop body changes the rate: compare rates of one body. "
+    "index_batches_over_for_loop: ours' rates_per_s of 'sampler.index_batches(256) "
+    "(NumPy)' over its 'for i in sampler: pass'")
 
 
 def bench_samplers(sizes=(10**6, 10**7, 10**8, 10**9), num_replicas: int = 8,
@@ -127,24 +198,29 @@ def bench_samplers(sizes=(10**6, 10**7, 10**8, 10**9), num_replicas: int = 8,
                                  capture_output=True, text=True).stdout
             cases[f"{kind} {n}"] = dict(json.loads(out.splitlines()[-1]), kind=kind,
                                         n=n)
-            c = cases[f"{kind} {n}"]
-            print(f"{kind:>5} n={n:>10}: first index {1000 * c['first_index_s']:9.3f} "
-                  f"ms, epoch {c['epoch_s']:7.2f} s "
-                  f"({c['indices_per_s'] / 1e6:5.1f} M/s), "
-                  f"peak +{c['peak_added_mb']:7.1f} MB", flush=True)
+            _print_case(cases[f"{kind} {n}"])
     ratios = {n: cases[f"torch {n}"]["first_index_s"] / cases[f"ours {n}"][
         "first_index_s"] for n in sizes if f"torch {n}" in cases}
+    rates = {n: cases[f"ours {n}"]["rates_per_s"] for n in sizes}
+    speedups = {str(n): r[_OURS_ONLY[0]] / r["for i in sampler: pass"]
+                for n, r in rates.items()}
     return {"num_replicas": num_replicas, "rank": 0, "cases": list(cases.values()),
             "first_index_ratio_torch_over_ours": {str(n): r for n, r in ratios.items()},
+            "index_batches_over_for_loop": speedups,
             "torch_skipped": {str(n): (
                 f"torch.randperm(n).tolist() needs about {n * 50 / 1e9:.0f} GB "
                 f"(a list of n Python ints, ~28 B each plus an 8 B pointer, plus "
                 f"the int64 tensor): more than this machine's memory")
                 for n in sizes if n > torch_max},
-            "method": "one run; each case in a fresh Python process; first index: "
-                      "sampler built, iter(), next(); epoch: the whole rank's epoch "
-                      "with plain `for i in sampler`; peak added: ru_maxrss after "
-                      "minus before, in that process"}
+            "method": _METHOD}
+
+
+def _print_case(c: dict) -> None:
+    print(f"{c['kind']:>5} n={c['n']:>10}: first index "
+          f"{1000 * c['first_index_s']:9.3f} ms, epoch {c['epoch_s']:7.2f} s, "
+          f"peak +{c['peak_added_mb']:7.1f} MB", flush=True)
+    for name, rate in c["rates_per_s"].items():
+        print(f"{'':18}{rate / 1e6:6.1f} M/s  {name}", flush=True)
 
 
 def _ddp_wrappers(make_model, bucket_cap_mb: float) -> dict:

@@ -731,11 +731,16 @@ class PermutationShardSampler(_EpochSampler):
     def __len__(self) -> int:
         return self._count(self.start)
 
-    def _chunks(self, start: int, count: int, generation: int) -> Iterator:
+    def _arrays(self, start: int, count: int, size: int,
+                most: int) -> Iterator[tuple[int, np.ndarray]]:
+        """This rank's ``count`` indices from global position ``start``, computed
+        chunk-wise as ``(done, int64 array)``, ``done`` being the indices before the
+        chunk: the first chunk holds ``size``, each next one twice as many, up to
+        ``most``. Finishing the epoch resets ``start``."""
         R = self.num_replicas
         lookup, n = self._lookup(), self.n
         first = start + self.rank
-        done, size = 0, _FIRST_CHUNK
+        done = 0
         while done < count:
             k = min(size, count - done)
             p = np.arange(done, done + k, dtype=np.uint64)
@@ -743,18 +748,49 @@ class PermutationShardSampler(_EpochSampler):
             p += np.uint64(first)
             if first + R * (done + k - 1) >= n:  # padding: wrap to the start
                 p %= np.uint64(n)
-            chunk = iter(lookup(p).tolist())
-            self._progress = (generation, done, k, chunk)
-            yield chunk
+            yield done, lookup(p)
             done += k
-            size = min(2 * size, _MAX_CHUNK)
+            size = min(2 * size, most)
         self.start = 0  # the epoch is finished: a new iteration starts it again
+
+    def _chunks(self, start: int, count: int, generation: int) -> Iterator:
+        for done, indices in self._arrays(start, count, _FIRST_CHUNK, _MAX_CHUNK):
+            chunk = iter(indices.tolist())
+            self._progress = (generation, done, len(indices), chunk)
+            yield chunk
 
     def __iter__(self) -> Iterator[int]:
         self.iter_start = self.start
         self.generation += 1
         return itertools.chain.from_iterable(
             self._chunks(self.start, len(self), self.generation))
+
+    def index_batches(self, batch_size: int,
+                      drop_last: bool = False) -> Iterator[np.ndarray]:
+        """This rank's indices of the epoch from the resume point, as NumPy int64
+        arrays of ``batch_size`` (the last one shorter, or left out with
+        ``drop_last``): the batches ``BatchSampler(self, batch_size, drop_last)``
+        makes, without a Python int per index. It starts an iteration as
+        ``iter(self)`` does, and :meth:`yielded` and :meth:`state_dict` count the
+        indices of the batches handed out (and, as with ``BatchSampler``, a tail
+        left out once the epoch is over)."""
+        batch_size = check_int("batch_size", batch_size, minimum=1)
+        drop_last = check_bool("drop_last", drop_last)
+        self.iter_start = self.start
+        self.generation += 1
+        return self._batches(self.start, len(self), batch_size, drop_last,
+                             self.generation)
+
+    def _batches(self, start: int, count: int, batch_size: int, drop_last: bool,
+                 generation: int) -> Iterator[np.ndarray]:
+        # every chunk but the last is a whole number of batches
+        most = batch_size * max(1, _MAX_CHUNK // batch_size)
+        for done, indices in self._arrays(start, count, batch_size, most):
+            for i in range(0, len(indices), batch_size):
+                batch = indices[i:i + batch_size]
+                self._progress = (generation, done + i + len(batch), 0, iter(()))
+                if len(batch) == batch_size or not drop_last:
+                    yield batch
 
     def yielded(self) -> int:
         """How many indices the iteration under way has handed out so far (0 before
