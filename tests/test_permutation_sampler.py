@@ -305,9 +305,10 @@ def make_loader(kind, n, B, workers, persistent, seed=3):
     sampler = PermutationShardSampler(n, 1, 0, seed=seed)
     options = dict(batch_size=B, sampler=sampler, num_workers=workers,
                    persistent_workers=persistent and workers > 0)
-    if kind == "StatefulDataLoader":
+    if kind.startswith("StatefulDataLoader"):
         from torchdata.stateful_dataloader import StatefulDataLoader
-        return StatefulDataLoader(Indices(n), **options)
+        every = 3 if kind.endswith("=3") else 1
+        return StatefulDataLoader(Indices(n), snapshot_every_n_steps=every, **options)
     return CountingLoader(DataLoader(Indices(n), **options))
 
 
@@ -347,9 +348,13 @@ def two_epochs(n, B, workers, persistent, stop_epoch, stop_batch,
 # StatefulDataLoader calls torch.set_vital, which torch 2.14 says is deprecated
 STATEFUL = pytest.param("StatefulDataLoader", marks=pytest.mark.filterwarnings(
     "ignore:'set_vital' is deprecated"))
+# a snapshot every 3 batches: a resume restores the last one and replays the rest
+STATEFUL_EVERY_3 = pytest.param("StatefulDataLoader, snapshot_every_n_steps=3",
+                                marks=pytest.mark.filterwarnings(
+                                    "ignore:'set_vital' is deprecated"))
 
 
-@pytest.mark.parametrize("kind", ["CountingLoader", STATEFUL])
+@pytest.mark.parametrize("kind", ["CountingLoader", STATEFUL, STATEFUL_EVERY_3])
 @pytest.mark.parametrize("workers,persistent", [(0, False), (1, False), (2, True),
                                                 (3, False), (4, True)])
 @pytest.mark.parametrize("moment", ["before the first batch", "mid-epoch",
@@ -361,7 +366,7 @@ def test_a_checkpoint_at_any_moment_resumes_to_exactly_the_uninterrupted_epochs(
     StatefulDataLoader (which snapshots the sampler's state in step with each batch,
     and loads it only at the next iteration, after the script's set_epoch) the
     sampler's own state, from what it has handed out, is the one saved."""
-    if kind == "StatefulDataLoader":
+    if kind.startswith("StatefulDataLoader"):
         pytest.importorskip("torchdata.stateful_dataloader")
     n, B = 40, 4
     stop = {"before the first batch": (0, 0), "mid-epoch": (0, 4),
@@ -420,21 +425,31 @@ def test_the_sampler_alone_counts_what_it_handed_out():
     assert sampler.yielded() == 0 and sampler.state_dict()["consumed"] == 0
 
 
-def test_a_finished_epochs_state_loaded_after_set_epoch_starts_the_new_epoch():
+def test_a_state_loaded_after_set_epoch_chose_a_later_epoch_finishes_then_starts_it():
+    """StatefulDataLoader loads at the next iteration, after the script's set_epoch:
+    the state's epoch is finished first (nothing left, or the rest of a snapshot it
+    replays), then the epoch set_epoch chose starts from its beginning."""
     done = PermutationShardSampler(40, 1, 0, seed=3)
     list(done)
     state = done.state_dict()
     assert (state["epoch"], state["consumed"]) == (0, 40)
-    later = PermutationShardSampler(40, 1, 0, seed=3)
-    later.set_epoch(1)
-    later.load_state_dict(state)  # epoch 0 is over: the new epoch stays, from its start
     fresh = PermutationShardSampler(40, 1, 0, seed=3)
     fresh.set_epoch(1)
+    later = PermutationShardSampler(40, 1, 0, seed=3)
+    later.set_epoch(1)
+    later.load_state_dict(state)
+    assert list(later) == [] and later.epoch == 1  # epoch 0 was over
     assert list(later) == list(fresh)
     unfinished = PermutationShardSampler(40, 1, 0, seed=3)
     unfinished.set_epoch(1)
-    unfinished.load_state_dict(dict(state, consumed=20))  # not over: the state wins
-    assert unfinished.epoch == 0 and len(unfinished) == 20
+    unfinished.load_state_dict(dict(state, consumed=36))
+    assert list(unfinished) == list(done)[36:] and unfinished.epoch == 1
+    assert list(unfinished) == list(fresh)
+    again = PermutationShardSampler(40, 1, 0, seed=3)
+    again.set_epoch(1)
+    again.load_state_dict(dict(state, consumed=36))
+    again.set_epoch(0)  # a set_epoch after the load decides: the same epoch resumes
+    assert list(again) == list(done)[36:] and again.epoch == 0
 
 
 def test_in_order_false_is_refused_with_workers():

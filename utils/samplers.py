@@ -669,6 +669,7 @@ class PermutationShardSampler(_EpochSampler):
         # changes with every iteration, new epoch and load: what a CountingLoader
         # received belongs to the iteration it saw start
         self.generation = 0
+        self._then_epoch = None  # see load_state_dict
         # (generation, positions before the chunk being handed out, its length, its
         # iterator): how far the iteration under way has got, read without a counter
         self._progress = (0, 0, 0, iter(()))
@@ -683,9 +684,11 @@ class PermutationShardSampler(_EpochSampler):
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` from now on; a new epoch starts from its
         beginning (and its state says so at once: nothing of it consumed), the same
-        epoch keeps a loaded resume point."""
+        epoch keeps a loaded resume point. Called before a load of an earlier
+        epoch's state, the epoch it names starts once the loaded one is finished."""
         old = self.epoch
         super().set_epoch(epoch)
+        self._then_epoch = None  # the script has said which epoch comes
         if self.epoch != old:
             self.start = self.iter_start = 0
             self.generation += 1
@@ -752,6 +755,9 @@ class PermutationShardSampler(_EpochSampler):
             done += k
             size = min(2 * size, most)
         self.start = 0  # the epoch is finished: a new iteration starts it again
+        if self._then_epoch is not None:  # and the epoch set before a load begins
+            self.epoch, self._then_epoch = self._then_epoch, None
+            self.generation += 1
 
     def _chunks(self, start: int, count: int, generation: int) -> Iterator:
         for done, indices in self._arrays(start, count, _FIRST_CHUNK, _MAX_CHUNK):
@@ -821,7 +827,10 @@ class PermutationShardSampler(_EpochSampler):
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state``: the next iteration yields this rank's share of the
         positions after ``state["consumed"]``. ``num_replicas`` may differ from the
-        saving run's; the global batch size (when both runs give one) may not."""
+        saving run's; the global batch size (when both runs give one) may not. If
+        ``set_epoch`` chose a later epoch before this load (StatefulDataLoader loads
+        at the next iteration, after the script's ``set_epoch``), the next iteration
+        finishes the state's epoch and the sampler then moves to that later epoch."""
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict from state_dict(), "
                             f"got {type(state).__name__}")
@@ -851,10 +860,10 @@ class PermutationShardSampler(_EpochSampler):
                              f"sampler uses the {self.shuffle} one: keep exact_max_n")
         seed, epoch = check_seed_and_epoch(state["seed"], state["epoch"])
         consumed = check_int("state['consumed']", state["consumed"], minimum=0)
-        if epoch < self.epoch and self._count(consumed) == 0:
-            # the state's epoch is over and set_epoch has already chosen a later one:
-            # a loader that loads at its next iteration (StatefulDataLoader) does this
-            epoch, consumed = self.epoch, 0
+        # set_epoch chose a later epoch before this load (a loader that loads at its
+        # next iteration does this: StatefulDataLoader): finish the state's epoch (a
+        # snapshot taken before its end is replayed to the end), then start that one
+        self._then_epoch = self.epoch if epoch < self.epoch else None
         self.seed, self.epoch, self.start = seed, epoch, consumed
         self.iter_start = consumed
         self.generation += 1
