@@ -15,7 +15,8 @@ from utils.samplers import (EXACT_MAX_N, CountingLoader, PermutationShardSampler
                             ShardSampler, batch_length, exact_order, feistel_bits,
                             permute, round_keys, shard_indices)
 from utils.shuffle_quality import (epoch_correlation, first_pair_chi_square,
-                                   neighbours_per_order, orders, parity, whole_orders)
+                                   neighbours_per_order, orders, parity,
+                                   whole_order_chi_square, whole_orders)
 
 # 3 and 4 workers on a 2-core machine: torch warns, the test means it
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
@@ -533,8 +534,17 @@ def test_most_frequent_whole_order_at_n5_like_randperm(kind):
     df 119: at tiny n it is measurably non-uniform, which is why the sampler shuffles
     exactly below EXACT_MAX_N; see the parity test below.)"""
     distinct, most = whole_orders(kind, 5, 20000)
-    print(f"{kind}: {distinct} orders, most frequent {most}")
+    chi = whole_order_chi_square(kind, 5, 20000)
+    print(f"{kind}: {distinct} orders, most frequent {most}, chi-square {chi:.1f}")
     assert distinct == 120 and most < 235, (kind, most)
+    assert chi < 158, (kind, chi)  # df 119: 99% of uniform draws below 158
+
+
+def test_the_networks_whole_orders_at_n5_are_the_documented_limit():
+    """Chapter 13 says so: at n = 5 the network's most frequent order passes (216)
+    but its whole-order chi-square (305 at df 119) does not."""
+    assert whole_orders("feistel", 5, 20000)[1] < 235
+    assert whole_order_chi_square("feistel", 5, 20000) > 200
 
 
 @pytest.mark.parametrize("kind", KINDS)
