@@ -302,10 +302,10 @@ def test_bench_samplers_measures_both_in_fresh_processes():
 
 # --- a checkpoint at any moment: nothing lost, nothing repeated ------------------------
 
-def make_loader(kind, n, B, workers, persistent, seed=3):
+def make_loader(kind, n, B, workers, persistent, seed=3, drop_last=False):
     sampler = PermutationShardSampler(n, 1, 0, seed=seed)
     options = dict(batch_size=B, sampler=sampler, num_workers=workers,
-                   persistent_workers=persistent and workers > 0)
+                   persistent_workers=persistent and workers > 0, drop_last=drop_last)
     if kind.startswith("StatefulDataLoader"):
         from torchdata.stateful_dataloader import StatefulDataLoader
         every = 3 if kind.endswith("=3") else 1
@@ -314,14 +314,16 @@ def make_loader(kind, n, B, workers, persistent, seed=3):
 
 
 def two_epochs(n, B, workers, persistent, stop_epoch, stop_batch,
-               kind="CountingLoader"):
+               kind="CountingLoader", restart="same epoch", drop_last=False):
     """Epochs 0 and 1 of a training loop that saves its loader's state (and its own
     epoch counter) at batch ``stop_batch`` of epoch ``stop_epoch`` (0: after
     set_epoch, before the first batch; the number of batches: after the last, before
-    the next set_epoch) and resumes in a fresh loader, which it gives the state and
-    then calls set_epoch on, as a restarted script would. Returns each epoch's
-    samples, in the order received."""
-    loader = make_loader(kind, n, B, workers, persistent)
+    the next set_epoch) and resumes in a fresh loader, as a restarted script would:
+    ``restart`` is "same epoch" (it loads, then sets the saved epoch), "set_epoch
+    first" (it sets the saved epoch, then loads) or "next epoch" (the state was saved
+    after the epoch's last batch and the script moves on: it sets the next epoch, then
+    loads). Returns each epoch's samples, in the order received."""
+    loader = make_loader(kind, n, B, workers, persistent, drop_last=drop_last)
     got, saved = {0: [], 1: []}, None
     for epoch in (0, 1):
         loader.sampler.set_epoch(epoch)
@@ -337,10 +339,14 @@ def two_epochs(n, B, workers, persistent, stop_epoch, stop_batch,
             break
     if saved is None:  # never stopped
         return got
-    resumed = make_loader(kind, n, B, workers, persistent)
-    resumed.load_state_dict(saved[1])
-    for epoch in range(saved[0], 2):
+    resumed = make_loader(kind, n, B, workers, persistent, drop_last=drop_last)
+    first = saved[0] + (restart == "next epoch")
+    if restart == "same epoch":
+        resumed.load_state_dict(saved[1])
+    for epoch in range(first, 2):
         resumed.sampler.set_epoch(epoch)
+        if restart != "same epoch" and epoch == first:
+            resumed.load_state_dict(saved[1])
         for batch in resumed:
             got[epoch] += batch.tolist()
     return got
@@ -353,29 +359,57 @@ STATEFUL = pytest.param("StatefulDataLoader", marks=pytest.mark.filterwarnings(
 STATEFUL_EVERY_3 = pytest.param("StatefulDataLoader, snapshot_every_n_steps=3",
                                 marks=pytest.mark.filterwarnings(
                                     "ignore:'set_vital' is deprecated"))
+MOMENTS = {"before the first batch": (0, 0), "mid-epoch": (0, 4),
+           "after the last batch": (0, 10), "next epoch's start": (1, 0)}
 
 
 @pytest.mark.parametrize("kind", ["CountingLoader", STATEFUL, STATEFUL_EVERY_3])
 @pytest.mark.parametrize("workers,persistent", [(0, False), (1, False), (2, True),
                                                 (3, False), (4, True)])
-@pytest.mark.parametrize("moment", ["before the first batch", "mid-epoch",
-                                    "after the last batch", "next epoch's start"])
+@pytest.mark.parametrize("moment", MOMENTS)
 def test_a_checkpoint_at_any_moment_resumes_to_exactly_the_uninterrupted_epochs(
         workers, persistent, moment, kind):
     """On main, a state taken after set_epoch(1) and before its first batch read
     {'epoch': 1, 'consumed': 40} and the resumed epoch yielded nothing. Under
-    StatefulDataLoader (which snapshots the sampler's state in step with each batch,
+    StatefulDataLoader (which snapshots the sampler's state in step with the batches,
     and loads it only at the next iteration, after the script's set_epoch) the
     sampler's own state, from what it has handed out, is the one saved."""
     if kind.startswith("StatefulDataLoader"):
         pytest.importorskip("torchdata.stateful_dataloader")
     n, B = 40, 4
-    stop = {"before the first batch": (0, 0), "mid-epoch": (0, 4),
-            "after the last batch": (0, n // B), "next epoch's start": (1, 0)}[moment]
-    got = two_epochs(n, B, workers, persistent, *stop, kind=kind)
     whole = two_epochs(n, B, 0, False, 9, 9)  # never stops
-    assert got == whole
-    assert all(sorted(order) == list(range(n)) for order in got.values())
+    restarts = ["same epoch", "set_epoch first"]
+    if moment == "after the last batch":
+        restarts.append("next epoch")
+    for restart in restarts:
+        got = two_epochs(n, B, workers, persistent, *MOMENTS[moment], kind=kind,
+                         restart=restart)
+        assert got == whole, restart
+    assert all(sorted(order) == list(range(n)) for order in whole.values())
+
+
+@pytest.mark.parametrize("kind", ["CountingLoader", STATEFUL, STATEFUL_EVERY_3])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataloader_that_drops_the_last_batch_resumes_at_the_next_epoch(kind,
+                                                                          workers):
+    """DataLoader(drop_last=True) leaves 2 of 42 samples untaken each epoch: a state
+    saved after the last batch that was received is the epoch's end, and a script
+    that then sets the next epoch gets all of it through CountingLoader, which knows
+    the loop had the last batch. The sampler inside a StatefulDataLoader does not
+    know it (its snapshot says 40 of 42 handed out), so there the script resumes the
+    saved epoch (chapter 13 says so): set first, the next epoch would begin with the 2
+    samples the DataLoader drops."""
+    if kind.startswith("StatefulDataLoader"):
+        pytest.importorskip("torchdata.stateful_dataloader")
+    whole = two_epochs(42, 4, 0, False, 9, 9, drop_last=True)
+    restarts = ["same epoch", "set_epoch first"]
+    if kind == "CountingLoader":
+        restarts.append("next epoch")
+    for restart in restarts:
+        got = two_epochs(42, 4, workers, False, 0, 10, kind=kind, restart=restart,
+                         drop_last=True)
+        assert got == whole, restart
+    assert all(len(order) == 40 for order in whole.values())
 
 
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -426,31 +460,49 @@ def test_the_sampler_alone_counts_what_it_handed_out():
     assert sampler.yielded() == 0 and sampler.state_dict()["consumed"] == 0
 
 
-def test_a_state_loaded_after_set_epoch_chose_a_later_epoch_finishes_then_starts_it():
-    """StatefulDataLoader loads at the next iteration, after the script's set_epoch:
-    the state's epoch is finished first (nothing left, or the rest of a snapshot it
-    replays), then the epoch set_epoch chose starts from its beginning."""
+def test_a_state_loaded_after_set_epoch_chose_a_later_epoch():
+    """A restarted script may set the next epoch, then load (StatefulDataLoader always
+    loads then, at its next iteration): a state the saving run had finished gives way
+    to that epoch at once; an unfinished one (a snapshot before the epoch's end, which
+    StatefulDataLoader replays) is finished first, in the same iteration, and the
+    chosen epoch follows. A set_epoch after the load decides."""
     done = PermutationShardSampler(40, 1, 0, seed=3)
     list(done)
     state = done.state_dict()
-    assert (state["epoch"], state["consumed"]) == (0, 40)
+    assert (state["epoch"], state["consumed"], state["finished"]) == (0, 40, True)
     fresh = PermutationShardSampler(40, 1, 0, seed=3)
     fresh.set_epoch(1)
     later = PermutationShardSampler(40, 1, 0, seed=3)
     later.set_epoch(1)
     later.load_state_dict(state)
-    assert list(later) == [] and later.epoch == 1  # epoch 0 was over
-    assert list(later) == list(fresh)
+    assert later.epoch == 1 and list(later) == list(fresh)
     unfinished = PermutationShardSampler(40, 1, 0, seed=3)
     unfinished.set_epoch(1)
-    unfinished.load_state_dict(dict(state, consumed=36))
-    assert list(unfinished) == list(done)[36:] and unfinished.epoch == 1
-    assert list(unfinished) == list(fresh)
+    unfinished.load_state_dict(dict(state, consumed=36, finished=False))
+    assert list(unfinished) == list(done)[36:] + list(fresh)
+    assert unfinished.epoch == 1 and unfinished.state_dict()["consumed"] == 40
     again = PermutationShardSampler(40, 1, 0, seed=3)
     again.set_epoch(1)
-    again.load_state_dict(dict(state, consumed=36))
-    again.set_epoch(0)  # a set_epoch after the load decides: the same epoch resumes
+    again.load_state_dict(dict(state, consumed=36, finished=False))
+    again.set_epoch(0)  # the same epoch as the state's: it resumes, and stays
     assert list(again) == list(done)[36:] and again.epoch == 0
+
+
+def test_finished_is_what_the_saving_run_had_left_not_the_resuming_runs():
+    """drop_last on 4 ranks leaves 2 of 42 samples untaken: the epoch is over for the
+    run that saved it, and a 2-rank run that sets the next epoch, then loads, starts
+    it (it would otherwise get one sample each of the old epoch)."""
+    first = PermutationShardSampler(42, 4, 0, seed=1, drop_last=True)
+    list(first)
+    state = first.state_dict()
+    assert state["consumed"] == 40 and state["finished"]
+    for rank in range(2):
+        resumed = PermutationShardSampler(42, 2, rank, seed=1, drop_last=True)
+        fresh = PermutationShardSampler(42, 2, rank, seed=1, drop_last=True)
+        resumed.set_epoch(1)
+        fresh.set_epoch(1)
+        resumed.load_state_dict(state)
+        assert list(resumed) == list(fresh)
 
 
 def test_in_order_false_is_refused_with_workers():

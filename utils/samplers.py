@@ -670,6 +670,7 @@ class PermutationShardSampler(_EpochSampler):
         # received belongs to the iteration it saw start
         self.generation = 0
         self._then_epoch = None  # see load_state_dict
+        self._since_load = 0  # iterations begun since the last load
         # (generation, positions before the chunk being handed out, its length, its
         # iterator): how far the iteration under way has got, read without a counter
         self._progress = (0, 0, 0, iter(()))
@@ -734,40 +735,57 @@ class PermutationShardSampler(_EpochSampler):
     def __len__(self) -> int:
         return self._count(self.start)
 
-    def _arrays(self, start: int, count: int, size: int,
-                most: int) -> Iterator[tuple[int, np.ndarray]]:
+    def _arrays(self, start: int, count: int, size: int, most: int,
+                generation: int) -> Iterator[tuple[int, int, np.ndarray]]:
         """This rank's ``count`` indices from global position ``start``, computed
-        chunk-wise as ``(done, int64 array)``, ``done`` being the indices before the
-        chunk: the first chunk holds ``size``, each next one twice as many, up to
-        ``most``. Finishing the epoch resets ``start``."""
+        chunk-wise as ``(generation, done, int64 array)``, ``done`` being the indices
+        before the chunk: the first chunk holds ``size``, each next one twice as many,
+        up to ``most``. Finishing the epoch resets ``start``; if ``set_epoch`` chose a
+        later epoch before a load, that epoch follows in the same iteration, as a new
+        generation (a loader that replays a snapshot to the loaded epoch's end goes
+        on into the epoch the script asked for)."""
         R = self.num_replicas
-        lookup, n = self._lookup(), self.n
-        first = start + self.rank
-        done = 0
-        while done < count:
-            k = min(size, count - done)
-            p = np.arange(done, done + k, dtype=np.uint64)
-            p *= np.uint64(R)
-            p += np.uint64(first)
-            if first + R * (done + k - 1) >= n:  # padding: wrap to the start
-                p %= np.uint64(n)
-            yield done, lookup(p)
-            done += k
-            size = min(2 * size, most)
-        self.start = 0  # the epoch is finished: a new iteration starts it again
-        if self._then_epoch is not None:  # and the epoch set before a load begins
+        while True:
+            lookup, n = self._lookup(), self.n
+            first, done, k = start + self.rank, 0, size
+            while done < count:
+                k = min(k, count - done)
+                p = np.arange(done, done + k, dtype=np.uint64)
+                p *= np.uint64(R)
+                p += np.uint64(first)
+                if first + R * (done + k - 1) >= n:  # padding: wrap to the start
+                    p %= np.uint64(n)
+                yield generation, done, lookup(p)
+                done += k
+                k = min(2 * k, most)
+            self.start = 0  # the epoch is finished: a new iteration starts it again
+            if self._then_epoch is None:
+                return
             self.epoch, self._then_epoch = self._then_epoch, None
+            self.iter_start = start = 0
             self.generation += 1
+            generation, count = self.generation, len(self)
 
     def _chunks(self, start: int, count: int, generation: int) -> Iterator:
-        for done, indices in self._arrays(start, count, _FIRST_CHUNK, _MAX_CHUNK):
+        for generation, done, indices in self._arrays(start, count, _FIRST_CHUNK,
+                                                      _MAX_CHUNK, generation):
             chunk = iter(indices.tolist())
             self._progress = (generation, done, len(indices), chunk)
             yield chunk
 
-    def __iter__(self) -> Iterator[int]:
+    def _begin(self) -> None:
+        """Start an iteration at ``start``; an epoch chosen before a load begins once
+        nothing of the loaded one is left for this run, or at the second iteration
+        since the load (the first finished the loaded epoch)."""
+        if self._then_epoch is not None and (self._count(self.start) == 0
+                                             or self._since_load):
+            self.epoch, self.start, self._then_epoch = self._then_epoch, 0, None
+        self._since_load += 1
         self.iter_start = self.start
         self.generation += 1
+
+    def __iter__(self) -> Iterator[int]:
+        self._begin()
         return itertools.chain.from_iterable(
             self._chunks(self.start, len(self), self.generation))
 
@@ -782,8 +800,7 @@ class PermutationShardSampler(_EpochSampler):
         left out once the epoch is over)."""
         batch_size = check_int("batch_size", batch_size, minimum=1)
         drop_last = check_bool("drop_last", drop_last)
-        self.iter_start = self.start
-        self.generation += 1
+        self._begin()
         return self._batches(self.start, len(self), batch_size, drop_last,
                              self.generation)
 
@@ -791,7 +808,8 @@ class PermutationShardSampler(_EpochSampler):
                  generation: int) -> Iterator[np.ndarray]:
         # every chunk but the last is a whole number of batches
         most = batch_size * max(1, _MAX_CHUNK // batch_size)
-        for done, indices in self._arrays(start, count, batch_size, most):
+        for generation, done, indices in self._arrays(start, count, batch_size, most,
+                                                      generation):
             for i in range(0, len(indices), batch_size):
                 batch = indices[i:i + batch_size]
                 self._progress = (generation, done + i + len(batch), 0, iter(()))
@@ -807,20 +825,25 @@ class PermutationShardSampler(_EpochSampler):
             return 0
         return done + k - chunk.__length_hint__()
 
-    def state_dict(self, received: int | None = None) -> dict:
+    def state_dict(self, received: int | None = None, finished: bool = False) -> dict:
         """``(seed, epoch, consumed)``: ``received`` is how many indices this rank's
         training loop got in the current iteration (:class:`CountingLoader` passes
         it); every rank has received as many, so ``consumed`` counts them ``R``
         times. Without it, the indices the sampler has handed out count
         (:meth:`yielded`): right where the sampler's state is taken in step with the
         batches, as torchdata's ``StatefulDataLoader`` does; ahead of the loop by the
-        prefetch when read from a running plain DataLoader."""
+        prefetch when read from a running plain DataLoader. ``finished`` says the
+        loop has had the epoch's last batch (a DataLoader with ``drop_last`` leaves
+        the sampler's tail untaken): :class:`CountingLoader` passes it."""
         if received is None:
             received = self.yielded()
         received = check_int("received", received, minimum=0)
-        consumed = self.iter_start + self.num_replicas * received
+        consumed = min(self.iter_start + self.num_replicas * received,
+                       max(self.n, self.iter_start))
         return {"n": self.n, "seed": self.seed, "epoch": self.epoch,
-                "consumed": min(consumed, max(self.n, self.iter_start)),
+                "consumed": consumed,
+                # nothing of the epoch left for the run that saves it
+                "finished": bool(finished) or self._count(consumed) == 0,
                 "global_batch_size": self.global_batch_size,
                 "shuffle": self.shuffle}
 
@@ -860,12 +883,18 @@ class PermutationShardSampler(_EpochSampler):
                              f"sampler uses the {self.shuffle} one: keep exact_max_n")
         seed, epoch = check_seed_and_epoch(state["seed"], state["epoch"])
         consumed = check_int("state['consumed']", state["consumed"], minimum=0)
-        # set_epoch chose a later epoch before this load (a loader that loads at its
-        # next iteration does this: StatefulDataLoader): finish the state's epoch (a
-        # snapshot taken before its end is replayed to the end), then start that one
-        self._then_epoch = self.epoch if epoch < self.epoch else None
+        # set_epoch chose a later epoch before this load (a restarted script that sets
+        # the next epoch, then loads; StatefulDataLoader, which loads at its next
+        # iteration): an epoch the saving run had finished gives way at once; one
+        # that is not (a snapshot taken before its end is replayed to the end) is
+        # finished first, then that later epoch starts
+        self._then_epoch = None
+        if epoch < self.epoch and state.get("finished", False):
+            epoch, consumed = self.epoch, 0
+        elif epoch < self.epoch:
+            self._then_epoch = self.epoch
         self.seed, self.epoch, self.start = seed, epoch, consumed
-        self.iter_start = consumed
+        self.iter_start, self._since_load = consumed, 0
         self.generation += 1
 
     def __repr__(self) -> str:
@@ -942,13 +971,17 @@ class CountingLoader:
         self.loader, self.sampler, self.count = loader, sampler, count
         self.received = 0
         self._generation = None  # the sampler's, when this iteration started
+        self._batches_left = None  # batches of this iteration not yet received
 
     def __iter__(self):
         self.received, self._generation = 0, None
         for batch in self.loader:
             if self._generation is None:  # the sampler's iteration has started
                 self._generation = self.sampler.generation
+                self._batches_left = _length(self.loader)
             self.received += self.count(batch)
+            if self._batches_left is not None:
+                self._batches_left -= 1
             yield batch
 
     def __len__(self) -> int:
@@ -959,7 +992,10 @@ class CountingLoader:
         sampler's current iteration; after ``set_epoch`` (a new epoch, nothing of it
         received yet) or a load, the sampler's own."""
         current = self._generation == self.sampler.generation
-        return self.sampler.state_dict(received=self.received if current else 0)
+        if not current:
+            return self.sampler.state_dict(received=0)
+        return self.sampler.state_dict(received=self.received,
+                                       finished=self._batches_left == 0)
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
@@ -968,3 +1004,11 @@ class CountingLoader:
 
 def _one(batch) -> int:
     return 1
+
+
+def _length(loader) -> int | None:
+    """``len(loader)``, or None where it has none."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
