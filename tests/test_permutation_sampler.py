@@ -677,3 +677,25 @@ def test_orders_are_pinned():
     epoch repeat and lose samples. The Feistel order is plain uint64 arithmetic."""
     assert exact_order(10, 0, 0).tolist() == EXACT_PIN
     assert permute(np.arange(10), 10, round_keys(0, 0)).tolist() == FEISTEL_PIN
+
+
+# positions 0, 1, 2, n // 2, n - 1 of the network at sizes it serves, for a few keys
+LARGE_PINS = {
+    (2**22 + 1, 0, 0): [984394, 3961786, 4088512, 1327559, 2994545],
+    (2**22 + 1, 7, 3): [2150300, 129671, 2241578, 1747654, 52098],
+    (2**22 + 1, 2**40, 11): [2347510, 1828845, 1966561, 3127478, 3055144],
+    (10**9, 0, 0): [844140018, 977287565, 93416770, 473606114, 874006395],
+    (10**9, 7, 3): [495446845, 871290009, 305828783, 38176145, 823658117],
+    (10**9, 2**40, 11): [138801811, 431746661, 206853647, 218908276, 977175363],
+}
+
+
+def test_orders_are_pinned_at_the_sizes_they_serve():
+    """The pins above are at n = 10, a 4-bit domain for the network: these pin it where
+    the sampler uses it (above 2**20, with cycle walking at 2**22 + 1), and the exact
+    order at its largest size, 2**20."""
+    for (n, seed, epoch), pin in LARGE_PINS.items():
+        positions = np.array([0, 1, 2, n // 2, n - 1])
+        assert permute(positions, n, round_keys(seed, epoch)).tolist() == pin
+    assert exact_order(2**20, 5, 2)[[0, 1, 2, 2**19, 2**20 - 1]].tolist() == [
+        221834, 200211, 619633, 938627, 948681]
