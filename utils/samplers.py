@@ -46,6 +46,7 @@ __all__ = [
     "permute",
     "exact_order",
     "EXACT_MAX_N",
+    "cycle_walk",
 ]
 
 MAX_SEED = 2**64 - 1  # the largest value torch.Generator.manual_seed accepts
@@ -600,13 +601,23 @@ def permute(positions, n: int, keys: np.ndarray) -> np.ndarray:
                          f"on at most 64 bits, and indices must fit an int64")
     if x.size == 0:
         return x.astype(np.int64)
-    bits = feistel_bits(n)
-    x = _feistel(x, bits, keys)
+    return cycle_walk(x, n, keys).astype(np.int64)
+
+
+def cycle_walk(x: np.ndarray, n: int, keys: np.ndarray, network=None) -> np.ndarray:
+    """``network`` (the Feistel pass, by default) on uint64 ``x`` in ``[0, n)``,
+    applied again to the values that land outside until all are inside. ``keys``: one
+    per round, or one per round and element (``rounds x len(x)``, many orders at once).
+    """
+    network = _feistel if network is None else network
+    bits, per_element = feistel_bits(n), keys.ndim == 2
+    x = network(x, bits, keys)
     outside = np.flatnonzero(x >= np.uint64(n))
     while outside.size:
-        x[outside] = _feistel(x[outside], bits, keys)
+        walking = keys[:, outside] if per_element else keys
+        x[outside] = network(x[outside], bits, walking)
         outside = outside[x[outside] >= np.uint64(n)]
-    return x.astype(np.int64)
+    return x
 
 
 def exact_order(n: int, seed: int, epoch: int) -> np.ndarray:

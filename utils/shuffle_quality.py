@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from .samplers import (_feistel, exact_order, feistel_bits, permute, round_keys,
+from .samplers import (_feistel, cycle_walk, exact_order, permute, round_keys,
                        shard_indices)
 
 __all__ = ["KINDS", "orders", "first_pair_chi_square", "whole_orders",
@@ -72,12 +72,7 @@ def _networks(positions, n: int, seeds, epoch: int, first_version: bool) -> np.n
     keys = np.repeat(keys, k, axis=1)  # one key per element, per round
     network = first_version_feistel if first_version else _feistel
     x = np.tile(np.asarray(positions, dtype=np.uint64), len(seeds))
-    bits = feistel_bits(n)
-    x = network(x, bits, keys)
-    outside = np.flatnonzero(x >= np.uint64(n))
-    while outside.size:
-        x[outside] = network(x[outside], bits, keys[:, outside])
-        outside = outside[x[outside] >= np.uint64(n)]
+    x = cycle_walk(x, n, keys, network)
     out = x.astype(np.int64).reshape(len(seeds), k)
     if not first_version:
         for row, s in list(zip(out, seeds))[:2]:
