@@ -37,6 +37,10 @@ def test_chapter_rules(path):
     assert sum(bool(c.outputs) for c in code) >= len(code) / 2, "committed with outputs"
     assert not any(o.output_type == "error" for c in code for o in c.outputs), (
         "no stored errors")
+    assert not any(o.output_type == "stream" and o.name == "stderr"
+                   for c in code for o in c.outputs), (
+        "no stored stderr (conftest.py: nbval reports stderr as a warning where a cell "
+        "stores none; print what the chapter shows to stdout)")
     exempt = [c for c in code
               if "NBVAL_IGNORE_OUTPUT" in c.source or "NBVAL_SKIP" in c.source]
     assert len(exempt) <= 0.15 * len(code), (
