@@ -1,14 +1,15 @@
 """nbval, strict on what a chapter prints, tolerant of stderr that only the scheduler decides.
 
-Under nbval a kernel does not forward its file descriptors (ipykernel stops watching them when
-PYTEST_CURRENT_TEST is set), so what reaches a cell's stderr is what the kernel's own Python
-writes there while the cell runs. Some of that is a race, not the chapter: a thread's
-traceback (a multiprocessing queue's feeder thread gets a BrokenPipeError when a DataLoader
-iterator abandoned mid-epoch has to terminate a slow worker), an "Exception ignored in"
-from a finaliser that the garbage collector ran during this cell rather than the next. A fresh-clone
-run of `make test` in stop 25 failed on unexpected stderr in chapter 13's `spawn` pass, in a
-cell that abandons a 2-worker iterator; its log did not keep the text, and the runs before and
-after it passed. No stored output in this book has a stderr stream.
+Under nbval a kernel does not forward its file descriptors (ipykernel stops watching them
+when PYTEST_CURRENT_TEST is set), so what reaches a cell's stderr is what the kernel's own
+Python writes there while the cell runs. Some of that can be a race, not the chapter: a
+thread's traceback (a multiprocessing queue's feeder thread can get a BrokenPipeError when a
+DataLoader iterator abandoned mid-epoch has to terminate a slow worker), or an "Exception
+ignored in" from a finaliser that the garbage collector ran during this cell rather than the
+next. A fresh-clone run of `make test` in stop 25 failed on unexpected stderr in chapter 13's
+`spawn` pass, in a cell that abandons a 2-worker iterator; its log did not keep the text, and
+the runs before and after it passed. No stored output in this book has a stderr stream
+(tests/test_notebooks.py).
 
 So where a cell's stored outputs have no stderr, a stderr stream that appears when nbval
 re-executes it is reported as a pytest warning (in the run's "warnings summary", with the
