@@ -1,6 +1,9 @@
-"""run_distributed: results per rank, prompt errors naming the rank, timeouts, nothing left behind."""
+"""run_distributed: results per rank, prompt errors naming the rank, timeouts, nothing left behind.
+free_port: a port for another process to bind, which no connection can take in the meantime."""
 
 import os
+import random
+import socket
 import subprocess
 import sys
 import textwrap
@@ -11,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from utils.launch import RankError, RankTimeoutError, run_distributed
+from utils import launch
+from utils.launch import RankError, RankTimeoutError, free_port, run_distributed
 
 
 def rank_and_sum():
@@ -223,3 +227,36 @@ def test_ranks_give_their_dataloader_workers_the_callers_start_method():
         return mp.get_start_method()
 
     assert run_distributed(start_method, 2) == [mp.get_start_method()] * 2
+
+
+def test_free_port_is_bindable_and_outside_the_ports_the_os_assigns_by_itself():
+    """The port of bind(0), handed on, is one the OS gives connections too: two-node torchrun in the
+    test suite's busy lanes once lost it (node 0: EADDRINUSE, node 1 waited until the cell timed
+    out). free_port's ports are below that range, so only a program asking for one by number gets it."""
+    first, last = launch.ephemeral_ports()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # the usual recipe's port: inside the range
+        assert first <= s.getsockname()[1] <= last
+    state = random.getstate()
+    ports = [free_port() for _ in range(50)]
+    assert random.getstate() == state  # a notebook's random stream is left alone
+    assert all(20000 <= port < first for port in ports) and len(set(ports)) > 1
+    with socket.socket() as server:  # what node 0's torchrun does with it
+        server.bind(("127.0.0.1", ports[0]))
+        server.listen()
+
+
+def test_free_port_skips_ports_in_use_and_says_when_none_is_safe(monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(launch, "ephemeral_ports", lambda: (port + 1, 65535))
+        monkeypatch.setattr(launch, "_LOWEST_PORT", port - 1)  # candidates: port - 1 and port
+        assert {free_port() for _ in range(20)} <= {port - 1}
+        monkeypatch.setattr(launch, "_LOWEST_PORT", port)
+        monkeypatch.setattr(launch, "ephemeral_ports", lambda: (port + 2, 65535))
+        # port + 1 is free, port is taken
+        assert {free_port() for _ in range(20)} <= {port + 1}
+    monkeypatch.setattr(launch, "ephemeral_ports", lambda: (1024, 65535))
+    with pytest.raises(RuntimeError, match="every port from 1024 to 65535 is the OS's"):
+        free_port()

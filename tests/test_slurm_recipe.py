@@ -7,13 +7,14 @@ as Slurm does before its time limit saves, requeues itself, and the requeued job
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from utils.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "examples" / "slurm" / "train_cifar10.sbatch"
@@ -22,12 +23,6 @@ TIMEOUT = 120
 
 # each job starts two torchruns and their ranks at once
 pytestmark = pytest.mark.xdist_group("ranks")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stage(data, train=320, test=64):

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from utils.data import write_synthetic_cifar10
+from utils.launch import free_port
 from utils.train_cifar10 import check_gpus, load_checkpoint, save_checkpoint
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -28,12 +28,6 @@ def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("cifar")
     write_synthetic_cifar10(str(root), n_train=512, n_test=256, seed=0)
     return str(root)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(*args, nproc=2, extra=(), timeout=TIMEOUT):

@@ -56,7 +56,6 @@ import os
 import platform
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -65,6 +64,8 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_TIMEOUT = 600  # seconds for one torchrun (the runs take well under a minute)
@@ -198,12 +199,6 @@ def two_node_launches(devices: list[str], per_node: int, port: int,
         launches.append((torchrun_command(per_node, node_args[node], launch),
                          {"CUDA_VISIBLE_DEVICES": ",".join(mine)}))
     return launches
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_processes(launches: list[tuple[list[str], dict]],

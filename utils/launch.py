@@ -35,7 +35,9 @@ import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
+import random
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -53,7 +55,7 @@ import torch.distributed as dist
 
 from ._checks import check_int
 
-__all__ = ["run_distributed", "RankError", "RankTimeoutError"]
+__all__ = ["run_distributed", "RankError", "RankTimeoutError", "free_port"]
 
 _HOST = "127.0.0.1"
 
@@ -90,6 +92,55 @@ class RankTimeoutError(TimeoutError):
             f"ranks {pending} did not finish within timeout={timeout:g} s "
             f"(ranks {finished} had finished); all ranks were stopped{where}"
         )
+
+
+# Where the OS takes the local ports of connections and of bind(port 0) when
+# /proc/sys/net/ipv4/ip_local_port_range does not say (Linux's default is 32768-60999;
+# macOS, Windows and the IANA range: 49152-65535).
+_EPHEMERAL_DEFAULT = (32768, 65535)
+_LOWEST_PORT = 20000
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """``(first, last)``: the ports this machine assigns of its own choice."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            first, last = (int(x) for x in f.read().split())
+        return first, last
+    except (OSError, ValueError):
+        return _EPHEMERAL_DEFAULT
+
+
+def free_port(host: str = _HOST, tries: int = 200) -> int:
+    """A TCP port that is free on ``host`` now and that the OS does not hand out by
+    itself, for a process started next to bind: ``MASTER_PORT`` of a two-node
+    ``torchrun``, say.
+
+    The usual recipe, bind to port 0 and pass on the port the OS picked, has a race:
+    that port comes from the range the OS takes every connection's local port from,
+    and in the seconds before the launcher binds it (``torchrun`` imports torch first)
+    any connection on the machine may get it. Node 0 then stops with ``EADDRINUSE``
+    and node 1 waits for node 0 until its rendezvous times out. A port below that
+    range is only ever taken by a program that asks for it by number."""
+    first, last = ephemeral_ports()
+    if first - 1 > _LOWEST_PORT:
+        low, high = _LOWEST_PORT, first - 1
+    elif last < 65535:
+        low, high = last + 1, 65535
+    else:
+        raise RuntimeError(f"every port from {first} to {last} is the OS's to "
+                           "assign: no port is safe to hand to another process")
+    chooser = random.SystemRandom()  # leaves the random module's own stream alone
+    for _ in range(tries):
+        port = chooser.randint(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:  # in use: try another
+                continue
+            return port
+    raise RuntimeError(f"no free port found on {host} in {tries} tries "
+                       f"between {low} and {high}")
 
 
 def _set_rank_env(rank: int, world_size: int, port: int) -> None:
