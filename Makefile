@@ -30,14 +30,6 @@ LANES ?= 2
 # GNU make 4 prints each lane's output in one piece (macOS's make 3.81 mixes them)
 SYNC := $(if $(filter 3.%,$(MAKE_VERSION)),,--output-sync=target)
 
-# OpenMP threads that wait for work sleep instead of spinning: a kernel's idle torch thread
-# otherwise keeps a core busy that the other lane, or the cell's own ranks, need (the machine
-# is CPU-bound: vmstat shows no idle time in the lanes). Results are the same; chapters 4 and 9
-# ran 1.05-1.13x faster one after the other. An OMP_WAIT_POLICY of your own is kept.
-TEST_TARGETS := test test-utils test-notebooks test-notebooks-spawn test-browser \
-                test-lane-fork test-lane-spawn
-$(TEST_TARGETS): export OMP_WAIT_POLICY ?= PASSIVE
-
 test: check-browser $(STAMP)
 	@echo "make test: two lanes of tests, $(LANES) at a time; each prints its report when it ends (15 to 30 minutes on 2 cores, by the machine)"
 	$(MAKE) --no-print-directory -j$(LANES) $(SYNC) JOBS=1 test-lane-fork test-lane-spawn
