@@ -31,7 +31,7 @@ LANES ?= 2
 SYNC := $(if $(filter 3.%,$(MAKE_VERSION)),,--output-sync=target)
 
 test: check-browser $(STAMP)
-	@echo "make test: two lanes of tests, $(LANES) at a time; each prints its report when it ends (15 to 30 minutes on 2 cores, by the machine)"
+	@echo "make test: two lanes of tests, $(LANES) at a time; each prints its report when it ends (15 to 32 minutes on 2 cores, by the machine)"
 	$(MAKE) --no-print-directory -j$(LANES) $(SYNC) JOBS=1 test-lane-fork test-lane-spawn
 	$(BROWSER_TESTS)
 
