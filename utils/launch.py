@@ -120,16 +120,22 @@ def free_port(host: str = _HOST, tries: int = 200) -> int:
     that port comes from the range the OS takes every connection's local port from,
     and in the seconds before the launcher binds it (``torchrun`` imports torch first)
     any connection on the machine may get it. Node 0 then stops with ``EADDRINUSE``
-    and node 1 waits for node 0 until its rendezvous times out. A port below that
-    range is only ever taken by a program that asks for it by number."""
+    and node 1 waits for node 0 until its rendezvous times out. A port outside that
+    range is only ever taken by a program that asks for it by number. Where the OS
+    keeps every port for itself (a range of 1024-65535), the usual recipe's port is
+    returned, with a ``RuntimeWarning``."""
     first, last = ephemeral_ports()
-    if first - 1 > _LOWEST_PORT:
+    if first - 1 >= _LOWEST_PORT:
         low, high = _LOWEST_PORT, first - 1
     elif last < 65535:
         low, high = last + 1, 65535
     else:
-        raise RuntimeError(f"every port from {first} to {last} is the OS's to "
-                           "assign: no port is safe to hand to another process")
+        warnings.warn(f"every port from {first} to {last} is the OS's to assign: a "
+                      "connection may take this one before it is bound",
+                      RuntimeWarning, stacklevel=2)
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
     chooser = random.SystemRandom()  # leaves the random module's own stream alone
     for _ in range(tries):
         port = chooser.randint(low, high)
