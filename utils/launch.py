@@ -120,7 +120,7 @@ def free_port(host: str = _HOST, tries: int = 200) -> int:
     that port comes from the range the OS takes every connection's local port from,
     and in the seconds before the launcher binds it (``torchrun`` imports torch first)
     any connection on the machine may get it. Node 0 then stops with ``EADDRINUSE``
-    and node 1 waits for node 0 until its rendezvous times out. A port outside that
+    and node 1 goes on waiting for node 0. A port outside that
     range is only ever taken by a program that asks for it by number. Where the OS
     keeps every port for itself (a range of 1024-65535), the usual recipe's port is
     returned, with a ``RuntimeWarning``."""
