@@ -5,8 +5,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: book test test-utils test-notebooks test-notebooks-spawn test-browser \
-        test-lane-fork test-lane-spawn check-browser gpu-check bench clean
+.PHONY: book test test-utils test-utils-spawn test-notebooks test-notebooks-portable \
+        test-browser test-lane-fork test-lane-portable check-browser gpu-check bench clean
 
 $(STAMP): requirements.txt constraints.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,18 +21,22 @@ book: $(STAMP)
 BOOK := $(BIN)/jupyter-book build . --all --path-output . -W -n --keep-going
 
 ## make test: first a browser for the last step is found (or installed); then two lanes side by
-## side, each running one test at a time: (1) the utils tests, then every notebook re-executed
-## and compared strictly by nbval; (2) the chapters that start worker processes again, with
-## `spawn` forced as on macOS and Windows, then the book built; last the built book, page by
-## page, in a real browser. Each lane's report is printed when it ends. LANES=1: one lane after
-## the other.
-LANES ?= 2
+## side: (1) the utils tests, then every notebook re-executed and compared strictly by nbval;
+## (2) the portability pass (the chapters that start worker processes or ranks again, with the
+## pickling rules of macOS and Windows), then the book built; last the built book, page by
+## page, in a real browser. Each lane's report is printed when it ends. The lanes and the
+## pytest-xdist processes in each (JOBS) follow the machine's cores (CORES); LANES=1: one lane
+## after the other.
+CORES ?= $(shell nproc 2>/dev/null || sysctl -n hw.ncpu 2>/dev/null || echo 2)
+LANES ?= $(if $(filter 1,$(CORES)),1,2)
+# each lane's share of the cores, at least 1
+JOBS_PER_LANE := $(shell echo $$(( $(CORES) / $(LANES) > 1 ? $(CORES) / $(LANES) : 1 )))
 # GNU make 4 prints each lane's output in one piece (macOS's make 3.81 mixes them)
 SYNC := $(if $(filter 3.%,$(MAKE_VERSION)),,--output-sync=target)
 
 test: check-browser $(STAMP)
-	@echo "make test: two lanes of tests, $(LANES) at a time; each prints its report when it ends (15 to 32 minutes on 2 cores, by the machine)"
-	$(MAKE) --no-print-directory -j$(LANES) $(SYNC) JOBS=1 test-lane-fork test-lane-spawn
+	@echo "make test: $(CORES) cores, $(LANES) lanes of tests side by side with $(JOBS_PER_LANE) test process(es) each; each lane prints its report when it ends (about 15 minutes on 2 cores)"
+	$(MAKE) --no-print-directory -j$(LANES) $(SYNC) JOBS=$(JOBS_PER_LANE) test-lane-fork test-lane-portable
 	$(BROWSER_TESTS)
 
 # the utils tests that run the training script as SLURM and GPU-check jobs go in lane 2, so
@@ -43,9 +47,10 @@ test-lane-fork: $(STAMP)
 	$(UTILS_TESTS) $(LANE2_UTILS:%=--ignore=%)
 	$(NOTEBOOK_TESTS)
 
-test-lane-spawn: $(STAMP)
+test-lane-portable: $(STAMP)
+	$(PORTABLE_TESTS)
 	$(SPAWN_TESTS)
-	$(BIN)/python -m pytest $(LANE2_UTILS) -q
+	$(BIN)/python -m pytest $(LANE2_UTILS) -q $(call xdist,loadgroup)
 	$(BOOK)
 
 # Playwright alone, so that a machine without a browser hears so in seconds, before the
@@ -65,7 +70,7 @@ check-browser: $(PLAYWRIGHT)
 # The targets below run alone with JOBS pytest-xdist processes side by side (JOBS=1: one at a
 # time, as in make test's lanes). The utils tests that start several ranks at once run one after
 # the other (tests/conftest.py); each notebook runs whole in one process, in its own kernel.
-JOBS ?= 2
+JOBS ?= $(CORES)
 xdist = $(if $(filter-out 0 1,$(JOBS)),-n $(JOBS) --dist $(1))
 
 UTILS_TESTS = $(BIN)/python -m pytest tests -q --ignore=tests/browser $(call xdist,loadgroup)
@@ -86,17 +91,32 @@ NOTEBOOK_TESTS = $(BIN)/python $(NBVAL) notebooks
 test-notebooks: $(STAMP)
 	$(NOTEBOOK_TESTS)
 
-# tests/start_method/sitecustomize.py sets the start method in every Python process started with
-# it on PYTHONPATH: the kernel, its DataLoader workers, the ranks' workers, torchrun's workers.
-# test_start_method.py checks that it took effect. The pass runs the chapters that start such
-# processes; the others start none (run_distributed's ranks are started the same way in both
-# passes), and tests/test_notebooks.py fails if a chapter that starts workers is missing here.
-SPAWN_NOTEBOOKS := 00_the_picture 03_set_epoch 05_workers 06_seeding 07_iterable_datasets 10_ddp_from_scratch 11_cifar10_ddp 12_loader_throughput 13_permutation_sampler appendix_common_mistakes
+# The portability pass: tests/start_method/sitecustomize.py sets the start method in every Python
+# process started with it on PYTHONPATH: the kernel, its DataLoader workers, the ranks' workers,
+# torchrun's workers; test_start_method.py checks that it took effect. With forkserver (and
+# torch, torch.distributed, cloudpickle and utils preloaded in each fork server) a worker has
+# only what it imports and unpickles, as under spawn, at the cost of a fork: a notebook that
+# relies on state a worker inherits fails it as it fails under spawn (tests/test_portability.py).
+# It runs the chapters that start workers or ranks, but two: chapter 5, which teaches the start
+# methods, runs under spawn itself, as macOS and Windows run it (SPAWN_NOTEBOOKS); and chapter 11,
+# whose workers start from the training scripts' own fork servers under any start method, runs in
+# the fork pass only. tests/test_notebooks.py fails if a chapter that starts workers is in neither
+# list. make test-utils-spawn runs the utils tests under spawn, as a Mac runs them.
+PORTABLE_NOTEBOOKS := 00_the_picture 03_set_epoch 06_seeding 07_iterable_datasets 10_ddp_from_scratch 12_loader_throughput 13_permutation_sampler appendix_common_mistakes
+SPAWN_NOTEBOOKS := 05_workers
+# chapters that start workers only through scripts that choose their own start method
+OWN_START_NOTEBOOKS := 11_cifar10_ddp
 
-SPAWN_TESTS = PYTHONPATH=$(CURDIR)/tests/start_method BOOK_START_METHOD=spawn \
-  $(BIN)/python $(NBVAL) $(SPAWN_NOTEBOOKS:%=notebooks/%.ipynb) tests/test_start_method.py
-test-notebooks-spawn: $(STAMP)
+FORCED = PYTHONPATH=$(CURDIR)/tests/start_method BOOK_START_METHOD=$(1)
+PORTABLE_TESTS = $(call FORCED,forkserver) $(BIN)/python $(NBVAL) \
+  $(PORTABLE_NOTEBOOKS:%=notebooks/%.ipynb) tests/test_start_method.py
+SPAWN_TESTS = $(call FORCED,spawn) $(BIN)/python $(NBVAL) \
+  $(SPAWN_NOTEBOOKS:%=notebooks/%.ipynb) tests/test_start_method.py
+test-notebooks-portable: $(STAMP)
+	$(PORTABLE_TESTS)
 	$(SPAWN_TESTS)
+test-utils-spawn: $(STAMP)
+	$(call FORCED,spawn) $(UTILS_TESTS)
 
 ## make gpu-check: on a CUDA machine, nccl on all local GPUs; the training script under torchrun (killed and restarted,
 ## workers, --compile, fp16, on fewer GPUs, as 2 nodes), then `make test`; writes book/results/gpu_check_<gpu>.json

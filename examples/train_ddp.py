@@ -6,6 +6,7 @@
 torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without them it is one plain process."""
 import argparse
 import json
+import multiprocessing as mp
 import os
 
 import torch
@@ -89,14 +90,19 @@ def main():
     test_set = CIFAR10(args.data, train=False, transform=transforms.Compose(normalize))
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank,
                                  seed=args.seed, drop_last=True)  # no padded copies
+    # workers start from a fork server, never as forks of this process: a fork of a
+    # process with threads (DDP's) can hang (chapter 5); each is started once
+    start = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    workers = {} if args.workers == 0 else dict(
+        num_workers=args.workers, persistent_workers=True,
+        multiprocessing_context=mp.get_context(start))
     train_loader = DataLoader(
         train_set, batch_size=args.global_batch // world, sampler=sampler,
-        drop_last=True, num_workers=args.workers, persistent_workers=args.workers > 0,
+        drop_last=True, **workers,
         pin_memory=gpu,  # and a different base seed for each rank's workers
         generator=torch.Generator().manual_seed(args.seed * 1000 + rank))
     test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world)),
-                             batch_size=512, num_workers=args.workers,  # each once
-                             persistent_workers=args.workers > 0)
+                             batch_size=512, **workers)  # each image once
 
     # --- model: the same initial weights on every process ----------------------------
     torch.manual_seed(args.seed)
@@ -146,5 +152,5 @@ def main():
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":  # spawned workers (macOS, Windows) import this file
+if __name__ == "__main__":  # the workers' fork server imports this file
     main()

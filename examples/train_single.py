@@ -3,6 +3,7 @@
     python examples/train_single.py --download"""
 import argparse
 import json
+import multiprocessing as mp
 import os
 
 import torch
@@ -70,14 +71,19 @@ def main():
     train_set = CIFAR10(args.data, train=True,
                         transform=transforms.Compose(augment + normalize))
     test_set = CIFAR10(args.data, train=False, transform=transforms.Compose(normalize))
+    # workers start from a fork server, never as forks of this process: a fork of a
+    # process with threads (DDP's) can hang (chapter 5); each is started once
+    start = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    workers = {} if args.workers == 0 else dict(
+        num_workers=args.workers, persistent_workers=True,
+        multiprocessing_context=mp.get_context(start))
     train_loader = DataLoader(
         train_set, batch_size=args.batch, shuffle=True,
-        drop_last=True, num_workers=args.workers, persistent_workers=args.workers > 0,
+        drop_last=True, **workers,
         pin_memory=gpu,
         generator=torch.Generator().manual_seed(args.seed))
     test_loader = DataLoader(test_set,
-                             batch_size=512, num_workers=args.workers,
-                             persistent_workers=args.workers > 0)
+                             batch_size=512, **workers)
 
     # --- model -----------------------------------------------------------------------
     torch.manual_seed(args.seed)
@@ -116,5 +122,5 @@ def main():
     os.replace(path + ".tmp", path)
 
 
-if __name__ == "__main__":  # spawned workers (macOS, Windows) import this file
+if __name__ == "__main__":  # the workers' fork server imports this file
     main()

@@ -11,7 +11,8 @@ The other tests (in-process, or one child at a time) run beside them.
 import pytest
 
 # test files whose tests start several processes at once, for most of their time
-STARTS_RANKS = {"test_train_cifar10.py", "test_train_ddp.py", "test_minimal_ddp.py"}
+STARTS_RANKS = {"test_train_cifar10.py", "test_train_ddp.py", "test_minimal_ddp.py",
+                "test_workers.py"}
 
 
 def pytest_collection_modifyitems(config, items):

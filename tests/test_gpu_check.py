@@ -211,7 +211,8 @@ def test_processes_are_run_together_and_killed_with_their_ranks_at_the_timeout()
     results = gpu_check._run_processes([([python, "-c", "print('x' * 200000, flush=True)"], {}),
                                         ([python, "-c", LIKE_TORCHRUN], {})], timeout=3)
     assert results[0] == (0, "x" * 200000 + "\n", "")  # more than a pipe holds
-    assert results[1][0] == -9 and results[1][2].endswith("(gpu-check: stopped, still running at the time limit)")
+    assert results[1][0] == -9 and "(gpu-check: stopped, still running at the time limit;" in results[1][2]
+    assert results[1][2].count("--- pid") == 2  # the stack of the launcher and of its rank
     rank = int(results[1][1])
     time.sleep(0.5)
     assert not psutil.pid_exists(rank) or psutil.Process(rank).status() == psutil.STATUS_ZOMBIE

@@ -13,12 +13,13 @@ test allows 1e-5).
 import os
 import pathlib
 import re
-import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+
+from utils import hangs
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "examples" / "minimal_ddp.py"
 # CPU ranks, so the test means the same on a GPU machine; torchrun sets 1 thread a rank
@@ -45,8 +46,7 @@ SAVING = textwrap.dedent("""
 def torchrun(script, nproc):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", str(script)]
-    done = subprocess.run(command, env=ENV, capture_output=True, text=True,
-                          timeout=300)
+    done = hangs.run(command, env=ENV, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 

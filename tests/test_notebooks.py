@@ -51,17 +51,27 @@ def test_chapter_rules(path):
 
 
 # Code that starts processes whose start method follows the platform's (DataLoader
-# workers, torchrun's workers, multiprocessing): such a chapter must be in the
-# Makefile's spawn pass.
+# workers, torchrun's workers, multiprocessing): such a chapter must be in one of the
+# Makefile's passes that force a start method (PORTABLE_NOTEBOOKS: forkserver with torch
+# preloaded; SPAWN_NOTEBOOKS: spawn), or in OWN_START_NOTEBOOKS, whose workers start only
+# through scripts that choose their start method themselves.
 STARTS_PROCESSES = re.compile(
     r"num_workers=(?!0\b)|--workers|multiprocessing|torch\.distributed\.run")
+PASSES = ("PORTABLE_NOTEBOOKS", "SPAWN_NOTEBOOKS", "OWN_START_NOTEBOOKS")
 
 
-def test_every_chapter_that_starts_worker_processes_is_in_the_spawn_pass():
+def makefile_list(makefile: str, name: str) -> list[str]:
+    found = re.search(rf"^{name}\s*:=(.*)$", makefile, re.M)
+    assert found, f"{name} is not set in the Makefile"
+    return found.group(1).split()
+
+
+def test_every_chapter_that_starts_worker_processes_is_in_a_start_method_pass():
     makefile = (ROOT / "Makefile").read_text()
     makefile = makefile.replace("\\\n", " ")  # join continued lines
-    spawn = re.search(r"^SPAWN_NOTEBOOKS\s*:=(.*)$", makefile, re.M)
-    listed = set(spawn.group(1).split())
+    lists = {name: makefile_list(makefile, name) for name in PASSES}
+    listed = [n for names in lists.values() for n in names]
+    assert len(listed) == len(set(listed)), f"a chapter in two of {PASSES}: {lists}"
     starting = set()
     for p in NOTEBOOKS:
         cells = nbformat.read(p, as_version=4).cells
@@ -70,11 +80,33 @@ def test_every_chapter_that_starts_worker_processes_is_in_the_spawn_pass():
             starting.add(p.stem)
     missing = sorted(n for n in listed
                      if not (ROOT / "notebooks" / f"{n}.ipynb").exists())
-    assert not missing, f"SPAWN_NOTEBOOKS names notebooks that do not exist: {missing}"
-    assert starting <= listed, (
-        f"add {sorted(starting - listed)} to SPAWN_NOTEBOOKS in the Makefile")
+    assert not missing, f"the Makefile names notebooks that do not exist: {missing}"
+    assert starting <= set(listed), (
+        f"add {sorted(starting - set(listed))} to PORTABLE_NOTEBOOKS in the Makefile")
     # the pattern still finds them
     assert {"03_set_epoch", "05_workers", "11_cifar10_ddp"} <= starting
+    # the chapter that teaches start methods runs under spawn itself
+    assert lists["SPAWN_NOTEBOOKS"] == ["05_workers"]
+
+
+def test_chapter_11_starts_workers_only_through_scripts_that_choose_their_start_method():
+    """OWN_START_NOTEBOOKS leave the portability pass because no worker of theirs follows
+    the platform's start method: each script they run gives its loaders a context."""
+    makefile = (ROOT / "Makefile").read_text()
+    assert makefile_list(makefile, "OWN_START_NOTEBOOKS") == ["11_cifar10_ddp"]
+    cells = nbformat.read(ROOT / "notebooks" / "11_cifar10_ddp.ipynb", as_version=4).cells
+    code = "\n".join(c.source for c in cells if c.cell_type == "code")
+    assert "DataLoader(" not in code and "num_workers=" not in code
+    for script in ("examples/train_ddp.py", "examples/train_single.py",
+                   "utils/train_cifar10.py"):
+        text = (ROOT / script).read_text()
+        calls = [text[m.end():m.end() + 500].split("\n\n")[0]
+                 for m in re.finditer(r"\bDataLoader\(", text)]
+        # the context given directly, or in the keyword dict the script passes on
+        assert calls and all(any(k in call for k in ("multiprocessing_context=",
+                                                     "**loader_kwargs", "**workers"))
+                             for call in calls), script
+        assert "multiprocessing_context=" in text, script
 
 
 # A folder made with tempfile.mkdtemp outlives the kernel (nbval stops the kernel without

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from utils import hangs
 from utils.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,9 +28,9 @@ pytestmark = pytest.mark.xdist_group("ranks")
 
 def stage(data, train=320, test=64):
     """What the recipe asks for before submitting: the data staged by one process."""
-    done = subprocess.run([sys.executable, "-m", "utils.train_cifar10", "--prepare-only", "--synthetic",
-                           "--synthetic-size", str(train), str(test), "--data", str(data)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    done = hangs.run([sys.executable, "-m", "utils.train_cifar10", "--prepare-only", "--synthetic",
+                      "--synthetic-size", str(train), str(test), "--data", str(data)],
+                     cwd=ROOT, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr
     return data
 
@@ -72,15 +73,7 @@ def process_tree(pid):
 
 def sbatch(env, timeout=TIMEOUT):
     """Run the recipe as Slurm starts a batch script: bash, in the folder it was submitted from."""
-    job = subprocess.Popen(["bash", str(SBATCH)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = job.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for pid in process_tree(job.pid):
-            os.kill(pid, signal.SIGKILL)
-        raise
-    return subprocess.CompletedProcess(job.args, job.returncode, out, err)
+    return hangs.run(["bash", str(SBATCH)], cwd=ROOT, env=env, timeout=timeout)
 
 
 def srun_calls(tmp_path):
@@ -170,7 +163,7 @@ def test_a_signalled_job_saves_requeues_itself_and_the_requeued_job_finishes(tmp
             assert job.poll() is None and time.monotonic() < deadline, "no checkpoint"
             time.sleep(0.05)
         os.kill(training_srun(job.pid), signal.SIGUSR1)
-        stdout, stderr = job.communicate(timeout=TIMEOUT)
+        (stdout, stderr), = hangs.communicate([job], TIMEOUT)
     finally:
         if job.poll() is None:
             for pid in process_tree(job.pid):

@@ -1,4 +1,4 @@
-"""The start-method pass of `make test` really runs under the start method it names."""
+"""The start-method passes of `make test` really run under the start method they name."""
 
 import multiprocessing as mp
 import os
@@ -16,3 +16,13 @@ def test_this_process_and_its_children_use_the_forced_start_method():
     child = subprocess.run([sys.executable, "-c", "import multiprocessing as m; print(m.get_start_method())"],
                            capture_output=True, text=True, check=True)
     assert child.stdout.strip() == METHOD
+
+
+@pytest.mark.skipif(METHOD != "forkserver", reason="only in the forkserver pass")
+def test_the_portability_pass_preloads_what_utils_workers_preloads():
+    """sitecustomize.py writes the list out (importing utils there would slow every interpreter)."""
+    from multiprocessing import forkserver
+
+    from utils.workers import PRELOAD
+
+    assert forkserver._forkserver._preload_modules == list(PRELOAD)

@@ -13,13 +13,17 @@ import sys
 import pytest
 import torch
 
+from utils import hangs
 from utils.data import write_synthetic_cifar10
 from utils.launch import free_port
 from utils.train_cifar10 import check_gpus, load_checkpoint, save_checkpoint
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-COMMON = ["--epochs", "2", "--workers", "1", "--no-progress", "--checkpoint-every", "4", "--device", "cpu",
+# No DataLoader workers where the test's subject is not them (each rank would start a fork server
+# that imports torch); WITH_WORKERS where it is, compared with runs without: the same weights.
+COMMON = ["--epochs", "2", "--workers", "0", "--no-progress", "--checkpoint-every", "4", "--device", "cpu",
           "--global-batch", "64"]
+WITH_WORKERS = [*COMMON[:2], "--workers", "1", *COMMON[4:]]
 TIMEOUT = 300
 
 
@@ -33,12 +37,11 @@ def data(tmp_path_factory):
 def torchrun(*args, nproc=2, extra=(), timeout=TIMEOUT):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *extra,
            "-m", "utils.train_cifar10", *args]
-    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    return hangs.run(cmd, env=ENV, timeout=timeout)
 
 
 def single(*args, timeout=TIMEOUT):
-    return subprocess.run([sys.executable, "-m", "utils.train_cifar10", *args], env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
+    return hangs.run([sys.executable, "-m", "utils.train_cifar10", *args], env=ENV, timeout=timeout)
 
 
 def two_nodes(node_args, timeout=TIMEOUT):
@@ -53,7 +56,7 @@ def two_nodes(node_args, timeout=TIMEOUT):
                "-m", "utils.train_cifar10", *args]
         nodes.append(subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
-        outputs = [n.communicate(timeout=timeout) for n in nodes]
+        outputs = hangs.communicate(nodes, timeout)
     finally:
         for n in nodes:
             n.kill()
@@ -150,8 +153,8 @@ def test_ranks_killed_after_and_before_init_are_restarted_and_the_run_ends_exact
     out = str(tmp_path / "out")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "--max-restarts=2", str(script), "--data", data, "--out", out, "--resume", "--fail-at-step", "6",
-           *COMMON]
-    done = ok(subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=150))
+           *WITH_WORKERS]
+    done = ok(hangs.run(cmd, env=ENV, timeout=150))
     assert "resumed from" in done.stdout and "epoch 0, step 4 of the epoch" in done.stdout
     assert max_diff(final_params(two_ranks), final_params(out)) == 0.0
     assert losses(out) == losses(two_ranks)
@@ -181,7 +184,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_one_agreed_checkpoint_and_t
     out = str(tmp_path / "out")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
            str(script), "--data", data, "--out", out, *COMMON]
-    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+    done = hangs.run(cmd, env=ENV, timeout=TIMEOUT)
     assert done.returncode != 0 and "SIGUSR1: every rank stopped after step 6" in done.stdout, done.stderr[-3000:]
     # the signal reached the ranks, not torchrun's agent, which restarted them: on main they trained on
     assert "a restart does not go on" in done.stderr, done.stderr[-3000:]
@@ -192,7 +195,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_one_agreed_checkpoint_and_t
     with open(os.path.join(out, "preempted.json")) as f:
         assert {"step": 6, "signal": "SIGUSR1", "torchrun_restart": 0}.items() <= json.load(f).items()
     assert torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)["step"] == 6
-    done = ok(subprocess.run(cmd + ["--resume"], env=ENV, capture_output=True, text=True, timeout=TIMEOUT))
+    done = ok(hangs.run(cmd + ["--resume"], env=ENV, timeout=TIMEOUT))
     assert "epoch 0, step 6 of the epoch" in done.stdout
     assert not os.path.exists(os.path.join(out, "preempted.json"))
     assert max_diff(final_params(two_ranks), final_params(out)) == 0.0
@@ -213,13 +216,13 @@ def test_a_sigterm_to_torchrun_with_dataloader_workers_stops_at_an_agreed_checkp
     script.write_text(SIGTERM_TO_TORCHRUN)
     out = str(tmp_path / "out")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           "--data", data, "--out", out, *COMMON]
-    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+           "--data", data, "--out", out, *WITH_WORKERS]
+    done = hangs.run(cmd, env=ENV, timeout=TIMEOUT)
     assert done.returncode != 0 and "SIGTERM: every rank stopped after step" in done.stdout, done.stderr[-3000:]
     with open(os.path.join(out, "preempted.json")) as f:
         stopped = json.load(f)["step"]  # the agent's signal arrives when it arrives: step 6 or later
     assert torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)["step"] == stopped
-    ok(subprocess.run(cmd + ["--resume"], env=ENV, capture_output=True, text=True, timeout=TIMEOUT))
+    ok(hangs.run(cmd + ["--resume"], env=ENV, timeout=TIMEOUT))
     assert max_diff(final_params(two_ranks), final_params(out)) == 0.0
 
 
@@ -386,7 +389,7 @@ def test_restarted_ranks_agree_on_the_attempt_when_only_one_node_counted_a_resta
                                                   "TORCHELASTIC_RESTART_COUNT": str(count)})
                  for r, count in enumerate(restart_counts)]
         try:
-            outs = [p.communicate(timeout=60) for p in procs]
+            outs = hangs.communicate(procs, 60)
         finally:
             for p in procs:
                 p.kill()
@@ -410,7 +413,7 @@ def test_nodes_whose_data_differ_stop_with_a_message_instead_of_hanging(tmp_path
                "--synthetic-size", *sizes[node], "--out", str(tmp_path / f"out{node}"), *COMMON]
         procs.append(subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
-        outs = [p.communicate(timeout=180) for p in procs]
+        outs = hangs.communicate(procs, 180)
     finally:
         for p in procs:
             p.kill()
@@ -461,7 +464,7 @@ def test_the_exact_evaluation_scores_rank_0s_model_even_when_the_ranks_buffers_d
 
 # --- --loader gpu: utils.gpu_loader on the CPU (the same tensor code as on CUDA) ------
 
-GPU_RUN = [*COMMON[:2], "--workers", "0", *COMMON[4:], "--loader", "gpu"]
+GPU_RUN = [*COMMON, "--loader", "gpu"]
 RECORD_KEYS = ["epoch", "step", "train_loss", "test_accuracy", "images_per_s",
                "epoch_seconds", "world_size", "data", "model", "device", "loader"]
 

@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .hangs import kill_tree, python_stacks
 from .launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -212,7 +213,7 @@ def _run_processes(launches: list[tuple[list[str], dict]],
     waits for."""
     files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))
              for _ in launches]
-    procs, killed = [], set()
+    procs, killed = [], {}
     try:
         for (cmd, env), (out, err) in zip(launches, files):
             procs.append(subprocess.Popen(
@@ -226,33 +227,18 @@ def _run_processes(launches: list[tuple[list[str], dict]],
     finally:
         for proc in procs:
             if proc.poll() is None:
-                killed.add(proc.pid)
+                killed[proc.pid] = python_stacks(proc.pid)  # where it hung
                 kill_tree(proc.pid)
             proc.wait()
     results = []
     for proc, (out, err) in zip(procs, files):
         out.seek(0), err.seek(0)
-        note = ("\n(gpu-check: stopped, still running at the time limit)"
+        note = ("\n(gpu-check: stopped, still running at the time limit; every "
+                f"process's stack then:)\n{killed[proc.pid]}"
                 if proc.pid in killed else "")
         results.append((proc.returncode, out.read(), err.read() + note))
         out.close(), err.close()
     return results
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process, then every process it started, and theirs. torchrun starts
-    each rank in a session of its own: killing torchrun's process group would leave
-    the ranks, and their GPUs, behind."""
-    import psutil
-
-    try:
-        parent = psutil.Process(pid)
-        family = [parent, *parent.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for process in family:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
 
 
 def _torchrun(nproc: int, script_args: list[str], extra: list[str] = (),

@@ -20,9 +20,11 @@ returns the per-rank results as a list. It is built for teaching and testing:
 * ranks run on the CPU by default (``device="cpu"`` hides the GPUs from them), so a cell
   gives the same result on a laptop and on a GPU server; ``device="cuda"`` (with
   ``backend="nccl"``) gives rank ``r`` the GPU ``r % device_count``;
-* DataLoader workers started by a rank use the caller's start method (``fork``,
-  ``spawn`` or ``forkserver``), so a notebook meets the same pickling rules inside ranks
-  as outside.
+* DataLoader workers started by a rank use the caller's start method (``spawn`` or
+  ``forkserver``), so a notebook meets the same pickling rules inside ranks as outside;
+  where the caller's is ``fork``, a rank's workers start from a fork server of the
+  rank's (``utils.workers``): a rank has gloo's threads, and a fork of a process with
+  threads can hang.
 
 Ranks are forked from a ``forkserver`` that imported torch once, so a call costs a
 fraction of a second after the first one
@@ -54,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from ._checks import check_int
+from .workers import exit_when_orphaned, worker_context
 
 __all__ = ["run_distributed", "RankError", "RankTimeoutError", "free_port"]
 
@@ -164,24 +167,6 @@ def _set_rank_env(rank: int, world_size: int, port: int) -> None:
     )
 
 
-def _parent_alive(pid: int, create_time: float) -> bool:
-    try:
-        # same pid *and* the same process
-        return psutil.Process(pid).create_time() == create_time
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _exit_when_orphaned(parent_pid: int, parent_create_time: float) -> None:
-    # Ranks are not daemonic (they may start DataLoader workers), so if the calling
-    # process dies without cleaning up, each rank notices here and kills its own
-    # process group.
-    while True:
-        time.sleep(1.0)
-        if not _parent_alive(parent_pid, parent_create_time):
-            os.killpg(os.getpgrp(), signal.SIGKILL)
-
-
 def _rank_main(rank, world_size, port, backend, device, start_method, timeout_s,
                threads, sys_path, environ, payload, conn, files, parent):
     """Entry point of one rank (runs in the child process)."""
@@ -196,10 +181,16 @@ def _rank_main(rank, world_size, port, backend, device, start_method, timeout_s,
         # False here.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     # Forkserver children inherit 'forkserver' as their start method; give DataLoader
-    # workers the caller's instead (fork on Linux up to Python 3.13, spawn on macOS
-    # and Windows).
+    # workers the caller's instead (spawn on macOS and Windows), except fork: from
+    # init_process_group on a rank has gloo's threads, and a fork of a process with
+    # threads can hang (utils.workers). Its workers start from a fork server of its own.
+    if start_method == "fork":
+        start_method = worker_context().get_start_method()
+    elif start_method == "forkserver":
+        worker_context()  # the fork server this rank starts preloads torch
     mp.set_start_method(start_method, force=True)
-    threading.Thread(target=_exit_when_orphaned, args=parent, daemon=True).start()
+    threading.Thread(target=exit_when_orphaned, args=(*parent, True),
+                     daemon=True).start()
     sys.path[:] = sys_path
     stack_out = open(files["stack"], "w")
     # SIGUSR1 may land on any thread (gloo has its own), so dump them all.
@@ -255,8 +246,9 @@ def _context() -> mp.context.BaseContext:
         # Import torch once in the fork server; every rank is then a cheap fork of it.
         # The fork server is a child of the calling process that lives as long as
         # it does.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle",
-                                    "utils.launch"])
+        # torch._dynamo too: a rank's first optimizer imports it (1.3 CPU-s per rank)
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
+                                    "cloudpickle", "utils.launch"])
         return ctx
     return mp.get_context("spawn")
 

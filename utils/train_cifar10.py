@@ -68,6 +68,7 @@ from .gpu_loader import CIFAR_MEAN, CIFAR_STD, GPULoader, resident_bytes
 from .metrics import EvalShardSampler, sum_over_ranks
 from .samplers import ShardSampler
 from .seeding import derive_seed, sample_generator, seed_everything
+from .workers import WatchParent, worker_context
 
 CHECKPOINT = "checkpoint.pt"
 PREEMPTED = "preempted.json"  # rank 0 writes it when a signal stopped the run
@@ -888,7 +889,8 @@ def build_data(args, job: Job) -> Data:
                                 agreed_free_memory(job.device, job.ddp))
     loader_kwargs = dict(num_workers=args.workers, pin_memory=job.cuda,
                          persistent_workers=args.workers > 0,
-                         worker_init_fn=shield_worker)
+                         worker_init_fn=WatchParent(shield_worker),
+                         multiprocessing_context=worker_start(args.workers))
     train_loader, sampler = make_train_loader(args, job, train_set, loader,
                                               loader_kwargs)
     test_loader = DataLoader(test_set, batch_size=512,
@@ -898,6 +900,15 @@ def build_data(args, job: Job) -> Data:
                                 "num_workers": eval_workers(args.workers)})
     return Data(train_set, test_set, synthetic, steps_per_epoch, loader, why,
                 train_loader, sampler, test_loader)
+
+
+def worker_start(workers: int):
+    """How DataLoader workers start: never by a fork of this process, which has gloo's
+    (or NCCL's) threads from ``init_process_group`` on (``utils.workers``), but from a
+    fork server with torch and this module imported, in a process group of its own so
+    that a signal for the rank's group leaves it alone (``shield_worker``). ``None``
+    without workers."""
+    return worker_context("utils.train_cifar10", detach=True) if workers > 0 else None
 
 
 def shield_worker(worker_id: int) -> None:
@@ -1339,4 +1350,9 @@ def run() -> None:
 
 
 if __name__ == "__main__":
-    run()
+    # This module's own copy, not this __main__ one, runs: its classes then pickle as
+    # utils.train_cifar10.KeyedAugment, which a worker started by a fork server or spawn
+    # imports, whoever ran the module as __main__ (python -m, torchrun -m, runpy).
+    from utils.train_cifar10 import run as _run
+
+    _run()
