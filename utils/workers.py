@@ -9,7 +9,7 @@ while a thread state is made or deleted, as when a native thread calls into Pyth
 child forked at that moment waits for ever right after the fork (CPython issue
 gh-112275, fixed in later releases than 3.11.7, the Python this book is built with). A
 ``DataLoader`` with workers in a rank forks by default on Linux (up to Python 3.13), so
-a training run can hang as it starts its workers, once in hundreds of starts.
+a training run can hang as it starts its workers: rarely, and at random.
 
 ``forkserver`` forks each worker from a server process that has a single thread: the
 server is started once, by the first loader that needs it, and imports the modules named
