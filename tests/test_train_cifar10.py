@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from utils import hangs
+from utils import forkrun, hangs
 from utils.data import write_synthetic_cifar10
 from utils.launch import free_port
 from utils.train_cifar10 import check_gpus, load_checkpoint, save_checkpoint
@@ -42,6 +42,16 @@ def torchrun(*args, nproc=2, extra=(), timeout=TIMEOUT):
 
 def single(*args, timeout=TIMEOUT):
     return hangs.run([sys.executable, "-m", "utils.train_cifar10", *args], env=ENV, timeout=timeout)
+
+
+# Where the subject is what the script does, not how torchrun starts it: the same environment
+# per rank, each process forked from a server that imported torch once (utils.forkrun)
+def ranks(*args, nproc=2):
+    return forkrun.run("utils.train_cifar10", args, nproc=nproc, env=ENV, timeout=TIMEOUT)
+
+
+def alone(*args):
+    return forkrun.run("utils.train_cifar10", args, env=ENV, timeout=TIMEOUT)
 
 
 def two_nodes(node_args, timeout=TIMEOUT):
@@ -97,7 +107,7 @@ def ok(done):
 @pytest.fixture(scope="module")
 def two_ranks(data, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("two_ranks"))
-    ok(torchrun("--data", data, "--out", out, *COMMON))
+    ok(ranks("--data", data, "--out", out, *COMMON))
     return out
 
 
@@ -105,13 +115,16 @@ def two_ranks(data, tmp_path_factory):
 def stopped_on_two(data, tmp_path_factory):
     """A run on 2 processes that stopped at step 6 of 16 (mid-epoch), leaving its checkpoint."""
     out = str(tmp_path_factory.mktemp("stopped"))
-    ok(torchrun("--data", data, "--out", out, "--stop-at-step", "6", *COMMON))
+    ok(ranks("--data", data, "--out", out, "--stop-at-step", "6", *COMMON))
     assert not os.path.exists(os.path.join(out, "model_final.pt"))
     return out
 
 
 def test_two_ranks_equal_one_process_on_the_same_global_batches(data, two_ranks, tmp_path):
-    ok(single("--data", data, "--out", str(tmp_path), *COMMON))
+    done = ok(alone("--data", data, "--out", str(tmp_path), *WITH_WORKERS))
+    # python -m with workers: no worker warns that runpy found the script's module imported
+    # (on main each did: the workers' fork server had preloaded it)
+    assert "RuntimeWarning" not in done.stderr, done.stderr[-3000:]
     # The same global batches, but each forward pass sees 32 images, not 64: the CPU's
     # kernels may round differently for another shape, and once a ReLU or max-pool
     # decision near a tie falls the other way, training amplifies the difference. So the
@@ -241,7 +254,7 @@ def test_with_three_ranks_a_restart_is_bit_identical_under_deterministic(data, t
     buckets after the first step made a restarted run differ (by 1.5e-8 here) until --deterministic
     kept the buckets fixed."""
     three = [*COMMON, "--global-batch", "96", "--checkpoint-every", "2", "--deterministic"]
-    ok(torchrun("--data", data, "--out", str(tmp_path / "clean"), *three, nproc=3))
+    ok(ranks("--data", data, "--out", str(tmp_path / "clean"), *three, nproc=3))
     done = ok(torchrun("--data", data, "--out", str(tmp_path / "killed"), "--resume", "--fail-at-step", "3", *three,
                        nproc=3, extra=["--max-restarts=1"]))
     assert "epoch 0, step 2 of the epoch" in done.stdout
@@ -253,7 +266,7 @@ def test_a_run_stopped_on_two_processes_resumes_exactly_on_another_number(data, 
                                                                           tmp_path, nproc):
     out = str(tmp_path / "out")
     shutil.copytree(stopped_on_two, out)
-    run = single if nproc == 1 else (lambda *a: torchrun(*a, nproc=nproc))
+    run = alone if nproc == 1 else (lambda *a: ranks(*a, nproc=nproc))
     done = ok(run("--data", data, "--out", out, "--resume", *COMMON))
     assert "epoch 0, step 6 of the epoch" in done.stdout
     assert f"global batch 64 = {64 // nproc} x {nproc}" in done.stdout
@@ -554,7 +567,7 @@ def test_two_ranks_with_loader_gpu_and_channels_last_equal_one_process(data, tmp
     _, error = in_process("--data", data, "--out", one, *GPU_RUN, "--channels-last", "yes")
     assert error is None, error
     two = str(tmp_path / "two")
-    done = ok(torchrun("--data", data, "--out", two, *GPU_RUN, "--channels-last", "yes"))
+    done = ok(ranks("--data", data, "--out", two, *GPU_RUN, "--channels-last", "yes"))
     assert "loader: gpu" in done.stdout and "channels_last: yes" in done.stdout
     assert "global batch 64 = 32 x 2" in done.stdout
     # the same global batches in the same memory format, summed in another order.

@@ -905,10 +905,14 @@ def build_data(args, job: Job) -> Data:
 def worker_start(workers: int):
     """How DataLoader workers start: never by a fork of this process, which has gloo's
     (or NCCL's) threads from ``init_process_group`` on (``utils.workers``), but from a
-    fork server with torch and this module imported, in a process group of its own so
-    that a signal for the rank's group leaves it alone (``shield_worker``). ``None``
-    without workers."""
-    return worker_context("utils.train_cifar10", detach=True) if workers > 0 else None
+    fork server with torch imported, in a process group of its own so that a signal for
+    the rank's group leaves it alone (``shield_worker``). ``None`` without workers.
+
+    Not this module in the preload: under ``python -m utils.train_cifar10`` each worker
+    imports the main module again by its name (multiprocessing's ``__mp_main__``), and
+    ``runpy`` warns when that name is already imported (a RuntimeWarning per worker).
+    """
+    return worker_context(detach=True) if workers > 0 else None
 
 
 def shield_worker(worker_id: int) -> None:
