@@ -19,7 +19,7 @@ import textwrap
 import pytest
 import torch
 
-from utils import hangs
+from utils import forkrun, hangs
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "examples" / "minimal_ddp.py"
 # CPU ranks, so the test means the same on a GPU machine; torchrun sets 1 thread a rank
@@ -44,9 +44,14 @@ SAVING = textwrap.dedent("""
 """)
 
 def torchrun(script, nproc):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", str(script)]
-    done = hangs.run(command, env=ENV, timeout=300)
+    """The script under torchrun on nproc CPU ranks; one process forked from a server that
+    imported torch, in a torchrun rank's environment (utils.forkrun), where nproc is 1."""
+    if nproc == 1:
+        done = forkrun.run(str(script), nproc=1, env=ENV, timeout=300)
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={nproc}", str(script)]
+        done = hangs.run(command, env=ENV, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -58,8 +63,8 @@ def test_the_script_is_short_enough_to_show_whole():
     assert 'if __name__ == "__main__":' in lines
 
 
-def test_on_two_cpu_ranks_rank_0_prints_a_decreasing_loss():
-    stdout = torchrun(SCRIPT, 2)
+def test_on_two_cpu_ranks_rank_0_prints_a_decreasing_loss(final_parameters):
+    stdout, _ = final_parameters[2]  # the script's main() under torchrun on 2 ranks
     lines = stdout.splitlines()
     # one line per epoch: rank 1 printed nothing
     assert [line.split(":")[0] for line in lines] == [f"epoch {e}" for e in range(5)]

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from test_train_cifar10 import in_process, max_diff, relative_distance
-from utils import hangs
+from utils import forkrun, hangs
 from utils.data import write_synthetic_cifar10
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
@@ -35,11 +35,17 @@ def data(tmp_path_factory):
     return root
 
 
-def train_ddp(*args, nproc=0):
-    """The script alone (nproc=0) or under torchrun on nproc CPU ranks."""
-    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}"] if nproc else [sys.executable])
-    done = hangs.run([*launch, SCRIPT, "--device", "cpu", *args], env=ENV, timeout=300)
+def train_ddp(*args, nproc=0, torchrun=False):
+    """The script alone (nproc=0) or on nproc CPU ranks: under torchrun itself, as a reader
+    runs it, or where the subject is what the script computes, with each process forked
+    from a server that imported torch once, in torchrun's environment (utils.forkrun)."""
+    if torchrun:
+        done = hangs.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          f"--nproc_per_node={nproc}", SCRIPT, "--device", "cpu", *args],
+                         env=ENV, timeout=300)
+    else:
+        done = forkrun.run(SCRIPT, ["--device", "cpu", *args], nproc=nproc or None,
+                           env=ENV, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -57,9 +63,9 @@ def test_the_script_is_short_enough_to_show_whole(path):
 
 
 def test_the_single_process_baseline_runs(data, tmp_path):
-    done = hangs.run([sys.executable, SINGLE, "--data", data, "--out", str(tmp_path),
-                      "--device", "cpu", "--workers", "0", "--epochs", "1", "--batch", "64"],
-                     env=ENV, timeout=300)
+    done = forkrun.run(SINGLE, ["--data", data, "--out", str(tmp_path), "--device", "cpu",
+                                "--workers", "0", "--epochs", "1", "--batch", "64"],
+                       env=ENV, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("epoch 1/1: train loss ")
     assert "(256 images)" in done.stdout
@@ -68,7 +74,7 @@ def test_the_single_process_baseline_runs(data, tmp_path):
 
 def test_on_two_cpu_ranks_with_augmentation(data, tmp_path):
     stdout = train_ddp("--data", data, "--out", str(tmp_path), "--workers", "1",
-                       *SETTINGS, nproc=2)
+                       *SETTINGS, nproc=2, torchrun=True)
     epochs = [line for line in stdout.splitlines() if line.startswith("epoch ")]
     assert len(epochs) == 2 and all("(256 images)" in line for line in epochs)
     assert set(weights(str(tmp_path))) == {"conv1.weight", "conv1.bias", "conv2.weight",
@@ -115,6 +121,6 @@ def test_equal_to_utils_train_cifar10_without_augmentation(data, one_process, tm
 
 
 def test_missing_data_is_a_message_not_a_traceback(tmp_path):
-    done = hangs.run([sys.executable, SCRIPT, "--data", str(tmp_path)], env=ENV, timeout=120)
+    done = forkrun.run(SCRIPT, ["--data", str(tmp_path)], env=ENV, timeout=120)
     assert done.returncode == 1
     assert done.stderr.strip() == f"no CIFAR-10 in --data {tmp_path}: add --download"

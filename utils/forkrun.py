@@ -58,7 +58,7 @@ def _exit_code(exc: SystemExit) -> int:
 
 
 def _main(target: str, args: list[str], env: dict[str, str], cwd: str, out: str,
-          err: str, threads: int, parent: tuple[int, float]) -> None:
+          err: str, threads: int | None, parent: tuple[int, float]) -> None:
     """One process (runs in the child): ``target`` as ``__main__``, then exit with its
     status."""
     os.setsid()  # as torchrun starts each rank: a session, so a process group, of its own
@@ -69,7 +69,8 @@ def _main(target: str, args: list[str], env: dict[str, str], cwd: str, out: str,
     os.chdir(cwd)
     import torch
 
-    torch.set_num_threads(threads)  # the server's were set by its own environment
+    if threads is not None:
+        torch.set_num_threads(threads)
     threading.Thread(target=exit_when_orphaned, args=(*parent, True), daemon=True).start()
     code = 0
     try:
@@ -118,8 +119,10 @@ def run(target: str, args: Sequence[str] = (), nproc: int | None = None,
     from .launch import _context
 
     env = dict(os.environ if env is None else env)
-    # torchrun's default: one thread a rank where OMP_NUM_THREADS is not set
-    threads = int(env.get("OMP_NUM_THREADS", 1 if nproc else os.cpu_count() or 1))
+    if (nproc or 0) > 1:  # torchrun's default for more than one rank a node
+        env.setdefault("OMP_NUM_THREADS", "1")
+    # torch read the server's environment when it started; None: leave its default
+    threads = int(env["OMP_NUM_THREADS"]) if "OMP_NUM_THREADS" in env else None
     me = psutil.Process()
     parent = (me.pid, me.create_time())
     store = None
