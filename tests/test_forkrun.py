@@ -91,10 +91,12 @@ def test_a_hang_raises_with_the_stack_it_hangs_in(tmp_path):
         import time
         def waits_for_ever():
             time.sleep(600)
+        print("started", flush=True)
         waits_for_ever()
     """))
     with pytest.raises(hangs.Hang) as hang:
         forkrun.run(str(script), nproc=2, env=ENV, timeout=5)
+    assert hang.value.output == "started\nstarted\n"  # what the ranks printed before
     if hangs.py_spy() is not None:
         assert "waits_for_ever" in hang.value.stacks
 

@@ -143,7 +143,7 @@ def run(target: str, args: Sequence[str] = (), nproc: int | None = None,
                     parent))
                 proc.start()
                 procs.append(proc)
-            returncode = _wait(procs, timeout, grace, target)
+            returncode = _wait(procs, files, timeout, grace, target)
         finally:
             for proc in procs:
                 _kill(proc)
@@ -162,7 +162,7 @@ def _read(path: str) -> str:
         return ""
 
 
-def _wait(procs, timeout: float, grace: float, target: str) -> int:
+def _wait(procs, files, timeout: float, grace: float, target: str) -> int:
     """The first nonzero exit status (a signal's as 128 + its number), else 0; the rest
     are stopped ``grace`` seconds after a failure."""
     deadline = time.monotonic() + timeout
@@ -172,7 +172,8 @@ def _wait(procs, timeout: float, grace: float, target: str) -> int:
         now = time.monotonic()
         if now >= deadline:
             stacks = "\n".join(hangs.python_stacks(p.pid) for p in pending)
-            raise hangs.Hang(target, timeout, stacks)
+            raise hangs.Hang(target, timeout, stacks, "".join(_read(o) for o, _ in files),
+                             "".join(_read(e) for _, e in files))
         if stop_at is not None and now >= stop_at:
             if terminated:  # SIGTERM was not enough: the caller kills them
                 break
