@@ -1,7 +1,7 @@
-"""``python -m module args`` and ``torchrun --standalone --nproc_per_node=N -m module args``
-for the tests, each process forked from a fork server that has imported torch once.
+"""``python -m module args`` and ``torchrun --standalone --nproc_per_node=N -m module
+args`` for the tests, each process forked from a fork server that imported torch once.
 
-A torchrun launch of the training script costs one fresh interpreter for torchrun's agent
+A torchrun launch of the training script costs a fresh interpreter for torchrun's agent
 and one per rank, each importing torch (about 3 CPU-seconds here), and each rank then
 ``torch._dynamo``, which building the first optimizer imports (2 more). Most launches in
 the tests are about what the script does on N ranks, not about how torchrun starts
@@ -61,7 +61,7 @@ def _main(target: str, args: list[str], env: dict[str, str], cwd: str, out: str,
           err: str, threads: int | None, parent: tuple[int, float]) -> None:
     """One process (runs in the child): ``target`` as ``__main__``, then exit with its
     status."""
-    os.setsid()  # as torchrun starts each rank: a session, so a process group, of its own
+    os.setsid()  # as torchrun starts each rank: a session (a process group) of its own
     for fd, path in ((1, out), (2, err)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
     os.environ.clear()
@@ -71,7 +71,8 @@ def _main(target: str, args: list[str], env: dict[str, str], cwd: str, out: str,
 
     if threads is not None:
         torch.set_num_threads(threads)
-    threading.Thread(target=exit_when_orphaned, args=(*parent, True), daemon=True).start()
+    threading.Thread(target=exit_when_orphaned, args=(*parent, True),
+                     daemon=True).start()
     code = 0
     try:
         if target.endswith(".py"):
@@ -87,8 +88,8 @@ def _main(target: str, args: list[str], env: dict[str, str], cwd: str, out: str,
     except BaseException:  # as the interpreter reports an uncaught exception
         traceback.print_exc()
         code = 1
-    # multiprocessing then runs its finalizers (a DataLoader's queues, their semaphores),
-    # flushes stdout and stderr, and exits with this status
+    # multiprocessing then runs its finalizers (a DataLoader's queues and their
+    # semaphores), flushes stdout and stderr, and exits with this status
     sys.exit(code)
 
 
@@ -137,10 +138,11 @@ def run(target: str, args: Sequence[str] = (), nproc: int | None = None,
         procs = []
         try:
             for rank in range(count):
-                rank_env = env if nproc is None else _rank_env(env, rank, nproc, store.port)
+                rank_env = (env if nproc is None
+                            else _rank_env(env, rank, nproc, store.port))
                 proc = ctx.Process(target=_main, name=f"forkrun{rank}", args=(
-                    target, list(args), rank_env, cwd or os.getcwd(), *files[rank], threads,
-                    parent))
+                    target, list(args), rank_env, cwd or os.getcwd(), *files[rank],
+                    threads, parent))
                 proc.start()
                 procs.append(proc)
             returncode = _wait(procs, files, timeout, grace, target)
@@ -149,7 +151,8 @@ def run(target: str, args: Sequence[str] = (), nproc: int | None = None,
                 _kill(proc)
         stdout = "".join(_read(out) for out, _ in files)
         stderr = "".join(_read(err) for _, err in files)
-    cmd = [target, *args] if nproc is None else [f"forkrun --nproc={nproc}", target, *args]
+    cmd = [target, *args] if nproc is None else [f"forkrun --nproc={nproc}", target,
+                                                 *args]
     return subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
 
 
@@ -172,8 +175,9 @@ def _wait(procs, files, timeout: float, grace: float, target: str) -> int:
         now = time.monotonic()
         if now >= deadline:
             stacks = "\n".join(hangs.python_stacks(p.pid) for p in pending)
-            raise hangs.Hang(target, timeout, stacks, "".join(_read(o) for o, _ in files),
-                             "".join(_read(e) for _, e in files))
+            raise hangs.Hang(target, timeout, stacks,
+                             "".join(_read(out) for out, _ in files),
+                             "".join(_read(err) for _, err in files))
         if stop_at is not None and now >= stop_at:
             if terminated:  # SIGTERM was not enough: the caller kills them
                 break
