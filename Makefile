@@ -8,14 +8,10 @@ STAMP  := $(VENV)/.installed
 .PHONY: book test test-utils test-utils-spawn test-notebooks test-notebooks-portable \
         test-browser test-lane-fork test-lane-portable check-browser gpu-check bench clean
 
-# --no-compile: Python compiles each module the first time it is imported; compiling them
-# all at install time (torch has thousands the book never imports) made the install 104
-# CPU-s against 65 on a 2-core machine, while the first import of torch, torchvision and the
-# training script then compiles what they need in 5
 $(STAMP): requirements.txt constraints.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet --no-compile -c constraints.txt -r requirements.txt
+	$(BIN)/python -m pip install --quiet -c constraints.txt -r requirements.txt
 	touch $(STAMP)
 
 ## make book: build the HTML book into _build/html from the stored, nbval-verified outputs
