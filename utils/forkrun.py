@@ -40,6 +40,7 @@ from typing import Sequence
 import psutil
 
 from . import hangs
+from .launch import _read_file as _read  # empty where a process died before writing
 from .workers import exit_when_orphaned
 
 __all__ = ["run"]
@@ -117,7 +118,7 @@ def run(target: str, args: Sequence[str] = (), nproc: int | None = None,
         raise ValueError(f"target must be a module name or a .py path, got {target!r}")
     import torch.distributed as dist
 
-    from .launch import _context
+    from .launch import _context  # imports torch: only when a run starts
 
     env = dict(os.environ if env is None else env)
     if (nproc or 0) > 1:  # torchrun's default for more than one rank a node
@@ -154,15 +155,6 @@ def run(target: str, args: Sequence[str] = (), nproc: int | None = None,
     cmd = [target, *args] if nproc is None else [f"forkrun --nproc={nproc}", target,
                                                  *args]
     return subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
-
-
-def _read(path: str) -> str:
-    """A process's output; empty where it died before it could open its files."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-    except FileNotFoundError:
-        return ""
 
 
 def _wait(procs, files, timeout: float, grace: float, target: str) -> int:
