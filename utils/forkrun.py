@@ -40,7 +40,7 @@ from typing import Sequence
 import psutil
 
 from . import hangs
-from .launch import _read_file as _read  # empty where a process died before writing
+from .launch import _context, _read_file as _read  # _read: "" where nothing was written
 from .workers import exit_when_orphaned
 
 __all__ = ["run"]
@@ -118,7 +118,6 @@ def run(target: str, args: Sequence[str] = (), nproc: int | None = None,
         raise ValueError(f"target must be a module name or a .py path, got {target!r}")
     import torch.distributed as dist
 
-    from .launch import _context  # imports torch: only when a run starts
 
     env = dict(os.environ if env is None else env)
     if (nproc or 0) > 1:  # torchrun's default for more than one rank a node
