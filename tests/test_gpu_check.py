@@ -18,6 +18,7 @@ import torch
 
 import utils.gpu_check as gpu_check
 import utils.metrics
+from utils import forkrun
 from utils.gpu_check import collective_checks, main
 from utils.launch import run_distributed
 
@@ -229,8 +230,20 @@ def test_when_one_node_fails_the_other_is_stopped_after_a_grace_period(monkeypat
 
 # --- the multi-rank training checks, for real on gloo ranks -------------------------------------------
 
+def forked_torchrun(nproc, script_args, extra=(), timeout=gpu_check.RUN_TIMEOUT):
+    """gpu_check's one-node torchrun, with each rank forked from a server that imported torch
+    once (utils.forkrun: the environment of a torchrun rank): the subject here is what the checks
+    run and conclude, not how torchrun starts ranks, which the two nodes still do for real."""
+    assert not extra, f"a torchrun option that forkrun does not emulate: {extra}"
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    done = forkrun.run("utils.train_cifar10", script_args, nproc=nproc, env=env, timeout=timeout,
+                       cwd=gpu_check.ROOT)
+    return done.returncode, done.stdout, done.stderr
+
+
 def test_resume_on_fewer_ranks_and_two_nodes_on_gloo_ranks(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(gpu_check, "_torchrun", forked_torchrun)
     work = str(tmp_path)
     fewer = gpu_check.fewer_gpus_check(2, work, device="cpu")
     assert fewer["passed"], json.dumps(fewer, indent=1)[-4000:]
