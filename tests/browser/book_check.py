@@ -19,6 +19,7 @@ exits 1 and prints one line per failure ("page: reason") when anything fails.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import functools
@@ -28,7 +29,6 @@ import os
 import pathlib
 import re
 import sys
-import tempfile
 import threading
 import time
 import urllib.parse
@@ -284,21 +284,51 @@ def serve(html_root: pathlib.Path):
         server.server_close()
 
 
+_SHARED: dict = {}  # "playwright", "browser": one headless Chromium per process
+
+
+def _close_browser():
+    browser, pw = _SHARED.pop("browser", None), _SHARED.pop("playwright", None)
+    for close in (browser and browser.close, pw and pw.stop):
+        if close:
+            with contextlib.suppress(Exception):  # already gone
+                close()
+
+
+atexit.register(_close_browser)
+
+
+def _browser():
+    """The browser find_browser.find() names, headless: started on the first check of this
+    process and kept for the next ones (the checker's own tests check a page or two each, and
+    starting Chromium costs more CPU than checking a page); started again if it has died."""
+    if "browser" in _SHARED and not _SHARED["browser"].is_connected():
+        _close_browser()
+    if "browser" not in _SHARED:
+        from playwright.sync_api import sync_playwright
+
+        executable = find_browser.find()  # NoBrowser says what to install
+        pw = sync_playwright().start()
+        try:
+            _SHARED["browser"] = pw.chromium.launch(
+                executable_path=str(executable), args=find_browser.ARGS, headless=True)
+        except BaseException:
+            pw.stop()
+            raise
+        _SHARED["playwright"] = pw
+    return _SHARED["browser"]
+
+
 @contextlib.contextmanager
 def browser_context():
-    """The browser find_browser.find() names, headless, with a fresh user-data-dir."""
-    from playwright.sync_api import sync_playwright
-
-    executable = find_browser.find()  # NoBrowser says what to install
-    with sync_playwright() as pw, tempfile.TemporaryDirectory() as profile:
-        context = pw.chromium.launch_persistent_context(
-            profile, executable_path=str(executable), args=find_browser.ARGS,
-            headless=True,
-            viewport={"width": SCREEN_WIDTHS[0], "height": SCREEN_HEIGHT})
-        try:
-            yield context
-        finally:
-            context.close()
+    """A fresh browser context (its own cookies, storage and cache, as a new profile has)
+    of the process's headless Chromium."""
+    context = _browser().new_context(
+        viewport={"width": SCREEN_WIDTHS[0], "height": SCREEN_HEIGHT})
+    try:
+        yield context
+    finally:
+        context.close()
 
 
 # ---------------------------------------------------------------- the checks
