@@ -118,7 +118,6 @@ def run(target: str, args: Sequence[str] = (), nproc: int | None = None,
         raise ValueError(f"target must be a module name or a .py path, got {target!r}")
     import torch.distributed as dist
 
-
     env = dict(os.environ if env is None else env)
     if (nproc or 0) > 1:  # torchrun's default for more than one rank a node
         env.setdefault("OMP_NUM_THREADS", "1")
