@@ -1,13 +1,16 @@
 """CIFAR-10 with DistributedDataParallel in one file (torch and torchvision only):
 
-    torchrun --standalone --nproc_per_node=8 examples/train_ddp.py --download
+    torchrun --standalone --nproc_per_node=gpu examples/train_ddp.py --download
     torchrun --standalone --nproc_per_node=2 examples/train_ddp.py --device cpu
 
-torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without them it is one plain process."""
+torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without them it is one plain process.
+Each epoch ends with --out/checkpoint.pt; --resume continues from it."""
 import argparse
 import json
 import multiprocessing as mp
 import os
+import time
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -15,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
-from torchvision import datasets, transforms
+from torchvision import datasets, models, transforms
 
 
 class CIFAR10(datasets.CIFAR10):
@@ -31,24 +34,19 @@ class CIFAR10(datasets.CIFAR10):
         super().__init__(root, **kwargs)
 
 
-class SimpleCNN(nn.Module):
-    def __init__(self, num_classes=10):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 32, 3, padding=1)
-        self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
-        self.fc1 = nn.Linear(64 * 8 * 8, 512)
-        self.fc2 = nn.Linear(512, num_classes)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(torch.flatten(x, 1))))
+def simple_cnn():  # two convolutions, two linear layers (chapter 11's SimpleCNN)
+    return nn.Sequential(OrderedDict(
+        conv1=nn.Conv2d(3, 32, 3, padding=1), relu1=nn.ReLU(), pool1=nn.MaxPool2d(2),
+        conv2=nn.Conv2d(32, 64, 3, padding=1), relu2=nn.ReLU(), pool2=nn.MaxPool2d(2),
+        flatten=nn.Flatten(), fc1=nn.Linear(64 * 8 * 8, 512), relu3=nn.ReLU(),
+        fc2=nn.Linear(512, 10)))
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--data", default="data")  # holds cifar-10-batches-py
     p.add_argument("--download", action="store_true")
+    p.add_argument("--model", choices=["simplecnn", "resnet18"], default="simplecnn")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--global-batch", type=int, default=256)  # over all processes
     p.add_argument("--lr", type=float, default=0.05)
@@ -57,21 +55,23 @@ def main():
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--no-augment", action="store_true")  # to compare runs exactly
     p.add_argument("--out", default="runs/train_ddp")
+    p.add_argument("--resume", action="store_true")  # with the same settings
+    p.add_argument("--stop-after-epoch", type=int)  # e.g. to fit a job's time limit
     args = p.parse_args()
 
     # --- processes: one per GPU (or CPU share), started by torchrun ------------------
-    ddp = "RANK" in os.environ
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     gpu = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
-    if gpu and not torch.cuda.is_available():
-        p.error("--device cuda, but torch.cuda.is_available() is False here")
-    device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
+    if gpu and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count():
+        p.error(f"one GPU per process: {torch.cuda.device_count()} GPUs visible here "
+                "(torchrun --nproc_per_node=gpu starts one process per GPU)")
     if args.global_batch % world:
         raise SystemExit(f"--global-batch must be divisible by {world} processes")
+    device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)  # before anything else touches the GPU
-    if ddp:
+    if world > 1:  # (one process alone: no process group, no DDP)
         dist.init_process_group("nccl" if gpu else "gloo")
 
     # --- data: downloaded once per node (nodes sharing a disk: use rank == 0) -------
@@ -81,7 +81,7 @@ def main():
                                           transforms.RandomHorizontalFlip()]
     if local_rank == 0 and args.download:
         CIFAR10(args.data, download=True)  # one archive holds both halves
-    if ddp:
+    if world > 1:
         dist.barrier(device_ids=[local_rank] if gpu else None)  # wait for the data
     if not os.path.isdir(os.path.join(args.data, "cifar-10-batches-py")):
         raise SystemExit(f"no CIFAR-10 in --data {args.data}: add --download")
@@ -96,29 +96,39 @@ def main():
     workers = {} if args.workers == 0 else dict(
         num_workers=args.workers, persistent_workers=True,
         multiprocessing_context=mp.get_context(start))
-    train_loader = DataLoader(
-        train_set, batch_size=args.global_batch // world, sampler=sampler,
-        drop_last=True, **workers,
-        pin_memory=gpu,  # and a different base seed for each rank's workers
+    train_loader = DataLoader(  # and a different base seed for each rank's workers
+        train_set, batch_size=args.global_batch // world, sampler=sampler, **workers,
+        drop_last=True, pin_memory=gpu,
         generator=torch.Generator().manual_seed(args.seed * 1000 + rank))
     test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world)),
                              batch_size=512, **workers)  # each image once
 
     # --- model: the same initial weights on every process ----------------------------
     torch.manual_seed(args.seed)
-    raw = SimpleCNN().to(device)  # DDP broadcasts rank 0's weights, averages gradients
-    model = DDP(raw, device_ids=[local_rank] if gpu else None) if ddp else raw
+    raw = models.resnet18(num_classes=10) if args.model == "resnet18" else simple_cnn()
+    if args.model == "resnet18":  # the usual stem for 32x32 images: 3x3, no max-pool
+        raw.conv1, raw.maxpool = nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.Identity()
+    raw = raw.to(device)
+    model = DDP(raw, device_ids=[local_rank] if gpu else None) if world > 1 else raw
     torch.manual_seed(args.seed * 1000 + rank)  # per rank now (--workers 0 augments)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
                                 weight_decay=5e-4, nesterov=True)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(  # steps: the same on every rank
         optimizer, max_lr=args.lr, total_steps=args.epochs * len(train_loader),
         pct_start=0.25, cycle_momentum=False)
+    parts = {"model": raw, "optimizer": optimizer, "scheduler": scheduler}
+    path, done = os.path.join(args.out, "checkpoint.pt"), 0  # epochs done
+    if args.resume and os.path.exists(path):  # every process loads the same state
+        state = torch.load(path, map_location=device, weights_only=True)
+        for name, part in parts.items():  # momentum and the schedule's step too
+            part.load_state_dict(state[name])
+        done = state["epoch"]  # the next line printed is epoch done + 1's
 
     # --- training --------------------------------------------------------------------
-    for epoch in range(args.epochs):
+    for epoch in range(done, args.epochs):
         sampler.set_epoch(epoch)  # a new permutation each epoch, equal on all ranks
         model.train()
+        start = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for x, y in train_loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -128,27 +138,31 @@ def main():
             optimizer.step()
             scheduler.step()
             loss_sum += loss.detach()  # read once per epoch, not every step
+        loss_sum = loss_sum.item()  # waits for the GPU: the epoch's steps are done
+        seconds = time.perf_counter() - start
         model.eval()  # evaluate raw, not model: DDP's forward may sync buffers
         correct, count = 0, len(test_loader.dataset)  # this rank's share
         with torch.no_grad():
             for x, y in test_loader:
                 correct += int((raw(x.to(device)).argmax(1) == y.to(device)).sum())
-        totals = torch.tensor([loss_sum.item(), correct, count], dtype=torch.float64,
+        totals = torch.tensor([loss_sum, correct, count], dtype=torch.float64,
                               device=device)
-        if ddp:
+        if world > 1:
             dist.all_reduce(totals)  # summed over all processes, in one all-reduce
         loss_total, correct, count = totals.tolist()
         if rank == 0:  # one process logs and saves
             print(f"epoch {epoch + 1}/{args.epochs}: train loss "
                   f"{loss_total / (len(train_loader) * world):.4f}, test accuracy "
-                  f"{correct / count:.4f} ({int(count)} images)", flush=True)
-
-    if rank == 0:  # a file written whole or not at all, if the process dies
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "model_final.pt")
-        torch.save({k: v.cpu() for k, v in raw.state_dict().items()}, path + ".tmp")
-        os.replace(path + ".tmp", path)
-    if ddp:
+                  f"{correct / count:.4f} ({int(count)} images); {seconds:.1f} s, "
+                  f"{len(train_loader) * args.global_batch / seconds:.0f} images/s",
+                  flush=True)
+            os.makedirs(args.out, exist_ok=True)
+            state = {name: part.state_dict() for name, part in parts.items()}
+            torch.save({**state, "epoch": epoch + 1}, path + ".tmp")  # then renamed:
+            os.replace(path + ".tmp", path)  # a process that dies leaves a whole file
+        if epoch + 1 == args.stop_after_epoch:
+            break
+    if world > 1:
         dist.destroy_process_group()
 
 

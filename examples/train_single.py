@@ -1,16 +1,20 @@
 """CIFAR-10 in one process (torch and torchvision only): train_ddp.py without DDP.
 
-    python examples/train_single.py --download"""
+    python examples/train_single.py --download
+
+Each epoch ends with --out/checkpoint.pt; --resume continues from it."""
 import argparse
 import json
 import multiprocessing as mp
 import os
+import time
+from collections import OrderedDict
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
-from torchvision import datasets, transforms
+from torchvision import datasets, models, transforms
 
 
 class CIFAR10(datasets.CIFAR10):
@@ -26,24 +30,19 @@ class CIFAR10(datasets.CIFAR10):
         super().__init__(root, **kwargs)
 
 
-class SimpleCNN(nn.Module):
-    def __init__(self, num_classes=10):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 32, 3, padding=1)
-        self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
-        self.fc1 = nn.Linear(64 * 8 * 8, 512)
-        self.fc2 = nn.Linear(512, num_classes)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(torch.flatten(x, 1))))
+def simple_cnn():  # two convolutions, two linear layers (chapter 11's SimpleCNN)
+    return nn.Sequential(OrderedDict(
+        conv1=nn.Conv2d(3, 32, 3, padding=1), relu1=nn.ReLU(), pool1=nn.MaxPool2d(2),
+        conv2=nn.Conv2d(32, 64, 3, padding=1), relu2=nn.ReLU(), pool2=nn.MaxPool2d(2),
+        flatten=nn.Flatten(), fc1=nn.Linear(64 * 8 * 8, 512), relu3=nn.ReLU(),
+        fc2=nn.Linear(512, 10)))
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--data", default="data")  # holds cifar-10-batches-py
     p.add_argument("--download", action="store_true")
+    p.add_argument("--model", choices=["simplecnn", "resnet18"], default="simplecnn")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--lr", type=float, default=0.05)
@@ -52,6 +51,8 @@ def main():
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--no-augment", action="store_true")  # to compare runs exactly
     p.add_argument("--out", default="runs/train_single")
+    p.add_argument("--resume", action="store_true")  # with the same settings
+    p.add_argument("--stop-after-epoch", type=int)  # e.g. to fit a job's time limit
     args = p.parse_args()
 
     gpu = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
@@ -78,25 +79,37 @@ def main():
         num_workers=args.workers, persistent_workers=True,
         multiprocessing_context=mp.get_context(start))
     train_loader = DataLoader(
-        train_set, batch_size=args.batch, shuffle=True,
-        drop_last=True, **workers,
-        pin_memory=gpu,
+        train_set, batch_size=args.batch, shuffle=True, **workers,
+        drop_last=True, pin_memory=gpu,
         generator=torch.Generator().manual_seed(args.seed))
     test_loader = DataLoader(test_set,
                              batch_size=512, **workers)
 
     # --- model -----------------------------------------------------------------------
     torch.manual_seed(args.seed)
-    model = SimpleCNN().to(device)
+    model = (models.resnet18(num_classes=10) if args.model == "resnet18"
+             else simple_cnn())
+    if args.model == "resnet18":  # the usual stem for 32x32 images: 3x3, no max-pool
+        model.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+        model.maxpool = nn.Identity()
+    model = model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
                                 weight_decay=5e-4, nesterov=True)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=args.lr, total_steps=args.epochs * len(train_loader),
         pct_start=0.25, cycle_momentum=False)
+    parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+    path, done = os.path.join(args.out, "checkpoint.pt"), 0  # epochs done
+    if args.resume and os.path.exists(path):
+        state = torch.load(path, map_location=device, weights_only=True)
+        for name, part in parts.items():  # momentum and the schedule's step too
+            part.load_state_dict(state[name])
+        done = state["epoch"]  # the next line printed is epoch done + 1's
 
     # --- training --------------------------------------------------------------------
-    for epoch in range(args.epochs):
+    for epoch in range(done, args.epochs):
         model.train()
+        start = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for x, y in train_loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -106,20 +119,24 @@ def main():
             optimizer.step()
             scheduler.step()
             loss_sum += loss.detach()  # read once per epoch, not every step
+        loss_sum = loss_sum.item()  # waits for the GPU: the epoch's steps are done
+        seconds = time.perf_counter() - start
         model.eval()
         correct, count = 0, len(test_loader.dataset)
         with torch.no_grad():
             for x, y in test_loader:
                 correct += int((model(x.to(device)).argmax(1) == y.to(device)).sum())
-        loss_total = loss_sum.item()
         print(f"epoch {epoch + 1}/{args.epochs}: train loss "
-              f"{loss_total / len(train_loader):.4f}, test accuracy "
-              f"{correct / count:.4f} ({int(count)} images)", flush=True)
-
-    os.makedirs(args.out, exist_ok=True)  # a file written whole or not at all
-    path = os.path.join(args.out, "model_final.pt")
-    torch.save({k: v.cpu() for k, v in model.state_dict().items()}, path + ".tmp")
-    os.replace(path + ".tmp", path)
+              f"{loss_sum / len(train_loader):.4f}, test accuracy "
+              f"{correct / count:.4f} ({int(count)} images); {seconds:.1f} s, "
+              f"{len(train_loader) * args.batch / seconds:.0f} images/s",
+              flush=True)
+        os.makedirs(args.out, exist_ok=True)
+        state = {name: part.state_dict() for name, part in parts.items()}
+        torch.save({**state, "epoch": epoch + 1}, path + ".tmp")  # then renamed:
+        os.replace(path + ".tmp", path)  # a process that dies leaves a whole file
+        if epoch + 1 == args.stop_after_epoch:
+            break
 
 
 if __name__ == "__main__":  # the workers' fork server imports this file

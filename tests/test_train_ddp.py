@@ -7,12 +7,15 @@ Where they differ, and why: train_ddp.py augments with torchvision's RandomCrop 
 RandomHorizontalFlip, drawn from each worker's RNG, so its augmentations depend on the
 number of processes and workers; utils.train_cifar10 draws them from (seed, epoch,
 index) (KeyedAugment), so a run resumed on another number of processes sees the same
-images. The rest of utils.train_cifar10 (checkpoints and resume, restarts, per-node
-data, the GPU loader) has no counterpart in the short script.
+images. Both save a checkpoint and resume from it: the short script at the end of each
+epoch, the full one also mid-epoch and on another number of processes. The rest of
+utils.train_cifar10 (restarts, per-node data, preemption, the GPU loader) has no
+counterpart in the short script.
 """
 
 import os
 import pathlib
+import re
 import sys
 
 import pytest
@@ -50,8 +53,13 @@ def train_ddp(*args, nproc=0, torchrun=False):
     return done.stdout
 
 
+def checkpoint(out):
+    return torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)
+
+
 def weights(out):
-    return torch.load(os.path.join(out, "model_final.pt"), weights_only=True)
+    """The model's weights in the checkpoint of the script's last epoch."""
+    return checkpoint(out)["model"]
 
 
 @pytest.mark.parametrize("path", [SCRIPT, SINGLE], ids=lambda p: p.split("/")[-1])
@@ -68,15 +76,17 @@ def test_the_single_process_baseline_runs(data, tmp_path):
                        env=ENV, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("epoch 1/1: train loss ")
-    assert "(256 images)" in done.stdout
-    assert os.path.exists(os.path.join(tmp_path, "model_final.pt"))
+    assert "(256 images); " in done.stdout and done.stdout.rstrip().endswith(" images/s")
+    assert checkpoint(str(tmp_path))["epoch"] == 1
 
 
 def test_on_two_cpu_ranks_with_augmentation(data, tmp_path):
     stdout = train_ddp("--data", data, "--out", str(tmp_path), "--workers", "1",
                        *SETTINGS, nproc=2, torchrun=True)
     epochs = [line for line in stdout.splitlines() if line.startswith("epoch ")]
-    assert len(epochs) == 2 and all("(256 images)" in line for line in epochs)
+    assert len(epochs) == 2 and all("(256 images); " in line for line in epochs)
+    # each epoch's time and throughput: "...; 1.2 s, 428 images/s"
+    assert all(re.search(r"; \d+\.\d s, \d+ images/s$", line) for line in epochs), epochs
     assert set(weights(str(tmp_path))) == {"conv1.weight", "conv1.bias", "conv2.weight",
                                           "conv2.bias", "fc1.weight", "fc1.bias",
                                           "fc2.weight", "fc2.bias"}
@@ -117,10 +127,50 @@ def test_equal_to_utils_train_cifar10_without_augmentation(data, one_process, tm
     assert error is None, error
     # the same initial weights, order of samples, normalisation, optimizer and schedule:
     # bit for bit
-    assert max_diff(weights(one_process), weights(str(tmp_path))) == 0.0
+    full_weights = torch.load(tmp_path / "model_final.pt", weights_only=True)
+    assert max_diff(weights(one_process), full_weights) == 0.0
 
 
 def test_missing_data_is_a_message_not_a_traceback(tmp_path):
     done = forkrun.run(SCRIPT, ["--data", str(tmp_path)], env=ENV, timeout=120)
     assert done.returncode == 1
     assert done.stderr.strip() == f"no CIFAR-10 in --data {tmp_path}: add --download"
+
+
+def test_a_run_stopped_after_an_epoch_resumes_to_the_weights_of_one_never_stopped(
+        data, tmp_path):
+    """--stop-after-epoch 1, then --resume: the epoch-end checkpoint holds the weights, the
+    momentum and the schedule's step, and the sampler's order is a function of the epoch, so
+    without augmentation (whose random numbers come from each worker's generator, not from
+    the epoch) the two ranks end bit for bit where a run never stopped ends. The first run
+    also has --resume, with no checkpoint yet: it starts from the beginning, as a job's first
+    run does."""
+    args = ["--data", data, "--workers", "0", "--no-augment", *SETTINGS]
+    train_ddp(*args, "--out", str(tmp_path / "whole"), nproc=2)
+    stopped = str(tmp_path / "stopped")
+    first = train_ddp(*args, "--out", stopped, "--resume", "--stop-after-epoch", "1", nproc=2)
+    assert [line.split(":")[0] for line in first.splitlines()] == ["epoch 1/2"]
+    assert checkpoint(stopped)["epoch"] == 1
+    second = train_ddp(*args, "--out", stopped, "--resume", nproc=2)
+    assert [line.split(":")[0] for line in second.splitlines()] == ["epoch 2/2"]
+    assert max_diff(weights(str(tmp_path / "whole")), weights(stopped)) == 0.0
+
+
+def test_resnet18_runs(tmp_path):
+    small = str(tmp_path / "data")
+    write_synthetic_cifar10(small, n_train=64, n_test=32, seed=0)
+    stdout = train_ddp("--data", small, "--out", str(tmp_path / "out"), "--workers", "0",
+                       "--model", "resnet18", "--epochs", "1", "--global-batch", "32")
+    assert stdout.startswith("epoch 1/1: train loss ") and "(32 images)" in stdout
+    # torchvision's ResNet-18 with the CIFAR stem: a 3x3 first convolution
+    assert weights(str(tmp_path / "out"))["conv1.weight"].shape == (64, 3, 3, 3)
+
+
+def test_more_processes_than_gpus_is_refused_with_what_to_run(data, tmp_path):
+    """No GPU visible (CUDA_VISIBLE_DEVICES empty, on a GPU machine too): --device cuda asks
+    for one per process."""
+    done = forkrun.run(SCRIPT, ["--data", data, "--out", str(tmp_path), "--device", "cuda"],
+                       env={**ENV, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert done.returncode == 2 and not os.listdir(tmp_path)
+    assert "error: one GPU per process: 0 GPUs visible here" in done.stderr
+    assert "--nproc_per_node=gpu" in done.stderr
