@@ -3,7 +3,8 @@ the thing they check is broken); without CUDA it says so, writes nothing and exi
 is decided by plain functions tested here: which checks run on how many GPUs and what the results file
 lists as not checked, the op names read from "no deterministic implementation" warnings and the
 allow-list's verdict, the CUDA_VISIBLE_DEVICES split and the torchrun command lines of two nodes. The
-multi-rank training checks (resume on fewer ranks, two nodes) also run for real on gloo ranks; the
+multi-rank training checks (resume on fewer ranks, two nodes) also run for real on gloo ranks (the
+one-node runs with their ranks forked by utils.forkrun, the two nodes as two real torchruns); the
 whole check runs on a pretend GPU machine with torchrun replaced by a stand-in."""
 
 import functools
