@@ -3,8 +3,7 @@
     torchrun --standalone --nproc_per_node=gpu examples/train_ddp.py --download
     torchrun --standalone --nproc_per_node=2 examples/train_ddp.py --device cpu
 
-torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without them it is one plain process.
-Each epoch ends with --out/checkpoint.pt; --resume continues from it."""
+Without torchrun: one process. Each epoch ends in --out/checkpoint.pt (--resume)."""
 import argparse
 import json
 import multiprocessing as mp
@@ -90,12 +89,13 @@ def main():
     test_set = CIFAR10(args.data, train=False, transform=transforms.Compose(normalize))
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank,
                                  seed=args.seed, drop_last=True)  # no padded copies
-    # workers start from a fork server, never as forks of this process: a fork of a
-    # process with threads (DDP's) can hang (chapter 5); each is started once
+    # workers start once, from a fork server that imports torch for all (CPython
+    # gh-126631), not as forks of this process, which has threads (chapter 5)
     start = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-    workers = {} if args.workers == 0 else dict(
-        num_workers=args.workers, persistent_workers=True,
-        multiprocessing_context=mp.get_context(start))
+    if start == "forkserver":
+        mp.get_context(start).set_forkserver_preload(["torch", "torchvision"])
+    workers = dict(num_workers=args.workers, persistent_workers=True,
+                   multiprocessing_context=start) if args.workers else {}
     train_loader = DataLoader(  # and a different base seed for each rank's workers
         train_set, batch_size=args.global_batch // world, sampler=sampler, **workers,
         drop_last=True, pin_memory=gpu,
@@ -115,7 +115,7 @@ def main():
                                 weight_decay=5e-4, nesterov=True)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(  # steps: the same on every rank
         optimizer, max_lr=args.lr, total_steps=args.epochs * len(train_loader),
-        pct_start=0.25, cycle_momentum=False)
+        cycle_momentum=False)  # warm-up: OneCycleLR's default 30 % of the steps
     parts = {"model": raw, "optimizer": optimizer, "scheduler": scheduler}
     path, done = os.path.join(args.out, "checkpoint.pt"), 0  # epochs done
     if args.resume and os.path.exists(path):  # every process loads the same state

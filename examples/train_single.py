@@ -72,12 +72,13 @@ def main():
     train_set = CIFAR10(args.data, train=True,
                         transform=transforms.Compose(augment + normalize))
     test_set = CIFAR10(args.data, train=False, transform=transforms.Compose(normalize))
-    # workers start from a fork server, never as forks of this process: a fork of a
-    # process with threads (DDP's) can hang (chapter 5); each is started once
+    # workers start once, from a fork server that imports torch for all (CPython
+    # gh-126631), not as forks of this process, which has threads (chapter 5)
     start = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-    workers = {} if args.workers == 0 else dict(
-        num_workers=args.workers, persistent_workers=True,
-        multiprocessing_context=mp.get_context(start))
+    if start == "forkserver":
+        mp.get_context(start).set_forkserver_preload(["torch", "torchvision"])
+    workers = dict(num_workers=args.workers, persistent_workers=True,
+                   multiprocessing_context=start) if args.workers else {}
     train_loader = DataLoader(
         train_set, batch_size=args.batch, shuffle=True, **workers,
         drop_last=True, pin_memory=gpu,
@@ -97,7 +98,7 @@ def main():
                                 weight_decay=5e-4, nesterov=True)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=args.lr, total_steps=args.epochs * len(train_loader),
-        pct_start=0.25, cycle_momentum=False)
+        cycle_momentum=False)  # warm-up: OneCycleLR's default 30 % of the steps
     parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
     path, done = os.path.join(args.out, "checkpoint.pt"), 0  # epochs done
     if args.resume and os.path.exists(path):

@@ -38,14 +38,17 @@ def data(tmp_path_factory):
     return root
 
 
-def train_ddp(*args, nproc=0, torchrun=False):
+def train_ddp(*args, nproc=0, torchrun=False, stderr=None):
     """The script alone (nproc=0) or on nproc CPU ranks: under torchrun itself, as a reader
     runs it, or where the subject is what the script computes, with each process forked
-    from a server that imported torch once, in torchrun's environment (utils.forkrun)."""
+    from a server that imported torch once, in torchrun's environment (utils.forkrun).
+    ``stderr``: a list that receives the run's standard error (torchrun only)."""
     if torchrun:
         done = hangs.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           f"--nproc_per_node={nproc}", SCRIPT, "--device", "cpu", *args],
-                         env=ENV, timeout=300)
+                         env={**ENV, "PYTHONPROFILEIMPORTTIME": "1"}, timeout=300)
+        if stderr is not None:
+            stderr.append(done.stderr)
     else:
         done = forkrun.run(SCRIPT, ["--device", "cpu", *args], nproc=nproc or None,
                            env=ENV, timeout=300)
@@ -81,8 +84,16 @@ def test_the_single_process_baseline_runs(data, tmp_path):
 
 
 def test_on_two_cpu_ranks_with_augmentation(data, tmp_path):
+    stderr = []
     stdout = train_ddp("--data", data, "--out", str(tmp_path), "--workers", "1",
-                       *SETTINGS, nproc=2, torchrun=True)
+                       *SETTINGS, nproc=2, torchrun=True, stderr=stderr)
+    # torch imported by torchrun's agent, each rank and each rank's fork server, not again
+    # by each of the 4 workers (2 ranks x a training and a test loader): the server
+    # preloads it (CPython's own preload of the script misses: gh-126631), and a worker
+    # that imported torch again would cost 2-4 s of a CPU each
+    imports = [line for line in stderr[0].splitlines()
+               if line.startswith("import time:") and line.split("|")[-1].strip() == "torch"]
+    assert len(imports) == 1 + 2 * 2, len(imports)
     epochs = [line for line in stdout.splitlines() if line.startswith("epoch ")]
     assert len(epochs) == 2 and all("(256 images); " in line for line in epochs)
     # each epoch's time and throughput: "...; 1.2 s, 428 images/s"
