@@ -113,9 +113,11 @@ def main():
     torch.manual_seed(args.seed * 1000 + rank)  # per rank now (--workers 0 augments)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
                                 weight_decay=5e-4, nesterov=True)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(  # steps: the same on every rank
-        optimizer, max_lr=args.lr, total_steps=args.epochs * len(train_loader),
-        cycle_momentum=False)  # warm-up: OneCycleLR's default 30 % of the steps
+    steps = args.epochs * len(train_loader)  # the same on every rank
+    if steps < 3:  # OneCycleLR: a warm-up of 2 steps at least, then 1 or more
+        p.error(f"{steps} step(s) in all, 3 at least: more --epochs or data")
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(  # warm-up: a quarter of the steps
+        optimizer, args.lr, steps, pct_start=max(.25, 2 / steps), cycle_momentum=False)
     parts = {"model": raw, "optimizer": optimizer, "scheduler": scheduler}
     path, done = os.path.join(args.out, "checkpoint.pt"), 0  # epochs done
     if args.resume and os.path.exists(path):  # every process loads the same state
@@ -125,7 +127,7 @@ def main():
         done = state["epoch"]  # the next line printed is epoch done + 1's
 
     # --- training --------------------------------------------------------------------
-    for epoch in range(done, args.epochs):
+    for epoch in range(done, min(args.epochs, args.stop_after_epoch or args.epochs)):
         sampler.set_epoch(epoch)  # a new permutation each epoch, equal on all ranks
         model.train()
         start = time.perf_counter()
@@ -160,8 +162,6 @@ def main():
             state = {name: part.state_dict() for name, part in parts.items()}
             torch.save({**state, "epoch": epoch + 1}, path + ".tmp")  # then renamed:
             os.replace(path + ".tmp", path)  # a process that dies leaves a whole file
-        if epoch + 1 == args.stop_after_epoch:
-            break
     if world > 1:
         dist.destroy_process_group()
 

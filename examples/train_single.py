@@ -96,9 +96,11 @@ def main():
     model = model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
                                 weight_decay=5e-4, nesterov=True)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=args.lr, total_steps=args.epochs * len(train_loader),
-        cycle_momentum=False)  # warm-up: OneCycleLR's default 30 % of the steps
+    steps = args.epochs * len(train_loader)
+    if steps < 3:  # OneCycleLR: a warm-up of 2 steps at least, then 1 or more
+        p.error(f"{steps} step(s) in all, 3 at least: more --epochs or data")
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(  # warm-up: a quarter of the steps
+        optimizer, args.lr, steps, pct_start=max(.25, 2 / steps), cycle_momentum=False)
     parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
     path, done = os.path.join(args.out, "checkpoint.pt"), 0  # epochs done
     if args.resume and os.path.exists(path):
@@ -108,7 +110,7 @@ def main():
         done = state["epoch"]  # the next line printed is epoch done + 1's
 
     # --- training --------------------------------------------------------------------
-    for epoch in range(done, args.epochs):
+    for epoch in range(done, min(args.epochs, args.stop_after_epoch or args.epochs)):
         model.train()
         start = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -136,8 +138,6 @@ def main():
         state = {name: part.state_dict() for name, part in parts.items()}
         torch.save({**state, "epoch": epoch + 1}, path + ".tmp")  # then renamed:
         os.replace(path + ".tmp", path)  # a process that dies leaves a whole file
-        if epoch + 1 == args.stop_after_epoch:
-            break
 
 
 if __name__ == "__main__":  # the workers' fork server imports this file

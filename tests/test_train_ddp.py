@@ -171,10 +171,23 @@ def test_resnet18_runs(tmp_path):
     small = str(tmp_path / "data")
     write_synthetic_cifar10(small, n_train=64, n_test=32, seed=0)
     stdout = train_ddp("--data", small, "--out", str(tmp_path / "out"), "--workers", "0",
-                       "--model", "resnet18", "--epochs", "1", "--global-batch", "32")
+                       "--model", "resnet18", "--epochs", "1", "--global-batch", "16")
     assert stdout.startswith("epoch 1/1: train loss ") and "(32 images)" in stdout
     # torchvision's ResNet-18 with the CIFAR stem: a 3x3 first convolution
     assert weights(str(tmp_path / "out"))["conv1.weight"].shape == (64, 3, 3, 3)
+
+
+@pytest.mark.parametrize("path", [SCRIPT, SINGLE], ids=lambda p: p.split("/")[-1])
+def test_too_few_steps_for_the_schedule_is_a_message(path, data, tmp_path):
+    """2 steps in all (512 images, batches of 256): OneCycleLR would divide by zero at the
+    end of the run; the scripts say so before training and write nothing."""
+    batch = "--global-batch" if path == SCRIPT else "--batch"
+    done = forkrun.run(path, ["--data", data, "--out", str(tmp_path / "out"), "--device",
+                              "cpu", "--workers", "0", "--epochs", "1", batch, "256"],
+                       env=ENV, timeout=300)
+    assert done.returncode == 2
+    assert "error: 2 step(s) in all, 3 at least: more --epochs or data" in done.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_more_processes_than_gpus_is_refused_with_what_to_run(data, tmp_path):
