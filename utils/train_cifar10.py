@@ -49,6 +49,7 @@ import shutil
 import signal
 import socket
 import sys
+import sysconfig
 import threading
 import time
 from dataclasses import dataclass
@@ -255,6 +256,20 @@ def check_compile(device: torch.device) -> None:
     elif importlib.util.find_spec("triton") is None:
         raise SystemExit("error: --compile on CUDA needs Triton (pip install triton); "
                          "leave out --compile")
+    else:  # Triton builds a small C launcher per kernel: a C compiler, Python's headers
+        compiler = os.environ.get("CC") or next(
+            (c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+        if compiler is None or shutil.which(compiler) is None:
+            raise SystemExit(f"error: --compile on CUDA needs a C compiler for Triton's "
+                             f"launchers, and {compiler or 'none'!s} (from $CC, else cc, "
+                             f"gcc, clang) is not found; install one, set CC, or leave "
+                             f"out --compile")
+        include = sysconfig.get_paths().get("include") or ""
+        if not os.path.exists(os.path.join(include, "Python.h")):
+            raise SystemExit(f"error: --compile on CUDA needs Python's headers for "
+                             f"Triton's launchers, and Python.h is not in {include!r} "
+                             f"(a python3-dev package, or a Python built with them); "
+                             f"or leave out --compile")
 
 
 def agreed_free_memory(device: torch.device, ddp: bool) -> int | None:
