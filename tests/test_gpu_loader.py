@@ -225,25 +225,32 @@ def test_the_loop_converts_nothing_to_python(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_batches_equal_the_cpu_ones_without_a_host_sync():
-    cpu = GPULoader(DATA, LABELS, 16, seed=1, channels_last=True)
-    gpu = GPULoader(DATA, LABELS, 16, seed=1, channels_last=True, device="cuda")
-    cpu.set_epoch(2)
-    gpu.set_epoch(2)
-    data, index = DATA.cuda(), torch.arange(5, device="cuda")
-    augment_batch(data, index, 0, 0)  # the first call makes the constants: a copy
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        on_gpu = [(x, y) for x, y in gpu]
-        for dtype in (torch.float32, torch.bfloat16):  # every public function
-            augment_batch(data, index, 0, 0, keys=index, dtype=dtype)
-            augment_draws(0, 0, index)
-        augment_batch(data, torch.arange(5), 0, 0)  # CPU indices: a pinned copy
-        reference_augment(data[0], 0, 0, 0)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    for (x, y), (gx, gy) in zip(batches(cpu), on_gpu):
-        assert gx.is_cuda and torch.equal(y, gy.cpu())
-        assert torch.allclose(x, gx.cpu(), atol=1e-6, rtol=0)
+    from utils.gpu_check import loader_sync  # what `python -m utils.gpu_check` runs
+
+    result = loader_sync("cuda")
+    assert result["passed"] and result["host_syncs_checked"] and result["batches"] == 5, result
+
+
+def test_the_no_sync_check_compares_with_the_cpu_batches(monkeypatch):
+    """The check the GPU machine runs, here on the CPU: equal batches pass; batches of the loader under
+    test (the second one it makes) one step off fail it."""
+    from utils import gpu_check
+
+    assert gpu_check.loader_sync("cpu")["passed"]
+    made, real_init, real_iter = [], GPULoader.__init__, GPULoader.__iter__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(self)
+
+    def iterate(self):
+        for x, y in real_iter(self):
+            yield (x + 1e-3 if self is made[1] else x), y
+
+    monkeypatch.setattr(GPULoader, "__init__", init)
+    monkeypatch.setattr(GPULoader, "__iter__", iterate)
+    result = gpu_check.loader_sync("cpu")
+    assert not result["passed"] and not result["batches_equal_cpu"] and result["batches"] == 5
 
 
 def test_resident_bytes_counts_the_images_and_the_labels():

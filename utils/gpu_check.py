@@ -1,47 +1,60 @@
 """`make gpu-check`: the CUDA paths of the book, checked on every local GPU, with a
 results file.
 
-    python -m utils.gpu_check                # the checks below, then the results file
+    python -m utils.gpu_check --quick        # the checks worth most: 3 minutes on an H100
+    python -m utils.gpu_check                # the full profile
     python -m utils.gpu_check --make-test    # ... and `make test` on this machine too
+    python -m utils.gpu_check --quick --dry-run    # the plan and its timings; runs nothing
+    python -m utils.gpu_check --quick --rehearse   # the same plan on this CPU
 
-On a machine with CUDA it runs, and records in ``book/results/gpu_check_<gpu>.json``
-(hardware, driver, torch, CUDA, cuDNN and NCCL versions, the command, the date, every
-check's result, and ``not_checked``: what this machine could not check, and why):
+It runs as it is, from a clone of the book, with the Python and torch (2.4 or later)
+already on a CUDA machine: no ``.venv``, no network (``make gpu-check`` uses ``.venv``).
+Without a GPU it exits 1 and says so (``--allow-no-gpu``: exit 0); where ``nvidia-smi``
+lists GPUs that torch cannot use (a driver older than torch's CUDA, a container started
+without its GPUs), it exits 1 and says that. Results go to
+``book/results/gpu_check_[quick_]<gpu>.json``: hardware, driver, torch, CUDA, cuDNN and
+NCCL versions, the command, the date, every check's result and seconds, and
+``not_checked``: what this machine could not check, and why.
+
+``--quick``, in order of what each is worth (``QUICK``; one process stops at
+``QUICK_RUN_TIMEOUT``):
 
 1. ``collectives``: ``sum_over_ranks``, ``gather_by_index``, ``NaiveDDP``,
    ``BucketedDDP`` (several buckets) and ``utils.ddp.SyncBatchNorm`` on CUDA tensors
    under ``nccl``, one rank per GPU, each compared with the same computation done on
    one process;
-2. ``training``: ``utils.train_cifar10`` under ``torchrun`` on all GPUs with ``nccl``,
-   ResNet-18, ``--amp``, ``--sync-bn`` and checkpoints (synthetic data, 2 epochs of 40
-   steps), once uninterrupted and once with a rank killed mid-epoch and restarted by
-   ``torchrun --max-restarts=1``; with ``--deterministic`` (deterministic algorithms,
-   ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, DDP buckets that stay fixed) the two must end
-   bit-identical; plus images/s of a third run without ``--deterministic``;
-3. ``loader_workers``: the same pair with ``--loader workers`` (``--loader auto``
-   takes the GPU loader for this small set): DataLoader workers, pinned memory;
-4. ``compile``: a ``--compile`` run (recorded as not checked where ``torch.compile``
-   cannot work here: no Triton, an unsupported Python);
-5. ``amp_fp16``: the pair with ``--amp fp16``, whose gradient scaler the checkpoints
-   must hold for the restart to end bit-identical (where the script has the option);
-6. ``resume_on_fewer_gpus`` (2 GPUs or more): a run stopped mid-epoch on all GPUs,
-   resumed on fewer; another order of the gradient sums, so it is compared with the
-   uninterrupted run within a tolerance (``RESUME_TOLERANCE``), not bit for bit;
-7. ``two_nodes`` (2 GPUs or more): two torchruns as two nodes of one job, the GPUs
-   split between them with ``CUDA_VISIBLE_DEVICES``, static rendezvous on 127.0.0.1
-   (``--node-rank`` 0 and 1), each node with its own data and output folders; compared
-   with the uninterrupted run within the same tolerance;
-8. ``nondeterministic_ops``: every op that warned it has no deterministic kernel in a
-   ``--deterministic`` run, by run; the check fails on any op not in
-   ``ALLOWED_NONDETERMINISTIC_OPS`` (each allowed op with the reason it is tolerated);
-9. ``make test`` (with ``--make-test``).
+2. ``loader_no_sync``: the GPU loader's batches equal its CPU batches, and no epoch
+   and no public augmentation function makes the host wait for the GPU
+   (``torch.cuda.set_sync_debug_mode("error")``);
+3. ``capstone``: ``utils.train_cifar10`` under ``torchrun`` on all GPUs (ResNet-18,
+   synthetic data, 2 epochs of 40 steps, no SyncBN) in float32, and with bf16 autocast
+   once uninterrupted and once with a rank killed mid-epoch and restarted by
+   ``torchrun --max-restarts=1``: with ``--deterministic`` the two must end
+   bit-identical;
+4. ``loader_bench``: ``python -m utils.bench loader --quick`` on the GPU (chapter 12's
+   loaders, the GPU-resident one among them);
+5. ``throughput``: ``utils.step_bench``: the script's own epoch loop against a bare
+   DDP loop in the same processes, over the same batches (no SyncBN, no mid-epoch
+   checkpoint).
 
-On one GPU nothing runs over several ranks, and ``not_checked`` says so, check by
-check. Two torchruns on one machine are not two machines: nccl may join them as it
-joins GPUs of one node, and that is also listed. It exits 1 if a check fails. Without
-CUDA it says so and exits 0: there is nothing to check. The collective checks are plain
-functions, also run on the CPU with gloo by ``tests/test_gpu_check.py``, and so are
-the multi-rank training checks (``device="cpu"``: a small CNN on gloo ranks).
+The full profile adds, on the same runs' settings with SyncBN: ``training`` (the
+restart pair with ``--sync-bn`` and checkpoints, and a run without
+``--deterministic``), ``loader_workers`` (the pair with ``--loader workers``:
+DataLoader workers, pinned memory), ``compile`` (a ``--compile`` run, not checked where
+``torch.compile`` cannot work: no Triton, C compiler or ``Python.h``, an unsupported
+Python), ``amp_fp16`` (the pair with ``--amp fp16``, whose gradient scaler the
+checkpoint must hold), and on 2 GPUs or more ``resume_on_fewer_gpus`` (stopped on all
+GPUs, resumed on fewer: compared within ``RESUME_TOLERANCE``) and ``two_nodes`` (two
+torchruns as two nodes, static rendezvous on 127.0.0.1, the GPUs split with
+``CUDA_VISIBLE_DEVICES``). Every check: ``nondeterministic_ops``, each op that warned
+it has no deterministic kernel in a ``--deterministic`` run (any op not in
+``ALLOWED_NONDETERMINISTIC_OPS`` fails); ``--deterministic`` pairs pin NCCL's algorithm
+(``pinned_nccl``).
+
+On one GPU nothing runs over several ranks, and ``not_checked`` says so. It exits 1 if
+a check fails. The checks are plain functions that also run on the CPU with gloo
+(``device="cpu"``: a small CNN): ``--rehearse`` runs the chosen plan so, with the same
+timeouts, and ``tests/test_gpu_check.py`` runs it.
 """
 
 from __future__ import annotations
@@ -501,7 +514,9 @@ def training_checks(nproc: int, work: str, device: str = "cuda") -> dict:
             **result, "loaders": _loaders(result["runs"]),
             # how far kernels without fixed bits move the weights (no --deterministic)
             "relative_distance_speed_run_to_deterministic": noise,
-            "train_images_per_s_last_epoch":
+            # not the speed of training: SyncBN's syncs and checkpoints are in it
+            # (the throughput check measures that)
+            "images_per_s_last_epoch_with_sync_bn_and_checkpoints":
                 (speed.get("metrics") or [{}])[-1].get("images_per_s"),
             "passed": result["passed"] and speed["returncode"] == 0}
 
@@ -762,14 +777,16 @@ QUICK_LEAVES = ("--quick leaves to the full profile: SyncBatchNorm, DataLoader w
                 "feeding the GPUs, --compile, --amp fp16, resume on fewer GPUs, two "
                 "nodes, make test")
 # seconds each check takes on one GPU, as --dry-run states them: {check: (seconds,
-# where that figure comes from)}
+# where that figure comes from)}. Measured: book/results/gpu_check_quick_nvidia_h100_
+# 80gb_hbm3.json (its check_seconds, rounded up), the whole --quick in 156 s.
+H100 = "measured, 1 x H100 80GB, 2026-11-26"
 STATED_SECONDS = {
-    "collectives": (25, "estimate"), "loader_no_sync": (15, "estimate"),
-    "capstone": (100, "estimate"), "loader_bench": (90, "estimate"),
-    "throughput": (45, "estimate"), "training": (110, "estimate"),
-    "loader_workers": (80, "estimate"), "compile": (90, "estimate"),
-    "amp_fp16": (80, "estimate"), "resume_on_fewer_gpus": (60, "estimate"),
-    "two_nodes": (40, "estimate"), "make_test": (1800, "estimate"),
+    "collectives": (10, H100), "loader_no_sync": (5, H100), "capstone": (95, H100),
+    "loader_bench": (20, H100), "throughput": (35, H100),
+    "training": (110, "estimate"), "loader_workers": (80, "estimate"),
+    "compile": (90, "estimate"), "amp_fp16": (80, "estimate"),
+    "resume_on_fewer_gpus": (60, "estimate"), "two_nodes": (40, "estimate"),
+    "make_test": (1800, "estimate"),
 }
 
 

@@ -610,17 +610,26 @@ def _report(results, skipped, settings, pil_set, device, stages) -> dict:
     return out
 
 
+def host_batches(pil_set, batch_size: int, pass_images: int) -> list:
+    """The first ``pass_images`` images of ``pil_set``, augmented in batches on the CPU:
+    ``[(float32 images, labels), ...]``, the source of the host-to-device cases."""
+    # the set's array is a view in (N, H, W, C) order of CIFAR's (N, C*H*W) rows: copied
+    # into that order once, as the resident loaders hold it
+    data = torch.from_numpy(np.ascontiguousarray(pil_set.data))
+    targets = torch.as_tensor(pil_set.targets)
+    batches = []
+    for start in range(0, pass_images, batch_size):
+        index = torch.arange(start, start + batch_size)
+        batches.append((augment_batch(data, index, 0, 0), targets[index]))
+    return batches
+
+
 def _cuda_cases(pil_set, device, batch_size, pass_images) -> list:
     """A plain ``.to(device)`` loop (pageable memory, blocking copies), the same from
     pinned memory with ``non_blocking`` copies on the compute stream (pinning without
     overlap: the control), and ``prefetch_to_device`` (pinned, on a side stream), all
     feeding the same training step; and the step alone on data already on the GPU."""
-    data = torch.from_numpy(pil_set.data)
-    targets = torch.as_tensor(pil_set.targets)
-    pageable = []
-    for start in range(0, pass_images, batch_size):
-        index = torch.arange(start, start + batch_size)
-        pageable.append((augment_batch(data, index, 0, 0), targets[index]))
+    pageable = host_batches(pil_set, batch_size, pass_images)
     pinned = [(x.pin_memory(), y.pin_memory()) for x, y in pageable]
     on_gpu = [(x.to(device), y.to(device)) for x, y in pageable]
     step = _training_step(device)
