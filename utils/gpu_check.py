@@ -738,13 +738,9 @@ def nondeterminism_verdict(checks: dict, allowed: dict[str, str] | None = None) 
 def compile_unavailable() -> str | None:
     """Why ``--compile`` cannot run on CUDA here (the script's own refusal: no Triton,
     an unsupported Python), or ``None``."""
-    from .train_cifar10 import check_compile
+    from .devices import compile_problem
 
-    try:
-        check_compile(torch.device("cuda"))
-    except SystemExit as exc:
-        return str(exc).removeprefix("error: ")
-    return None
+    return compile_problem(torch.device("cuda"))
 
 
 def amp_fp16_unavailable() -> str | None:

@@ -340,6 +340,49 @@ def augment_batch(data: torch.Tensor, indices, seed: int, epoch: int, *,
                     check_bool("channels_last", channels_last), _check_dtype(dtype))
 
 
+def crop_and_look_up(data: torch.Tensor, table: torch.Tensor, channel: torch.Tensor,
+                     rows: torch.Tensor, cols: torch.Tensor, index: torch.Tensor,
+                     dy: torch.Tensor, first: torch.Tensor, step: torch.Tensor,
+                     channels_last: bool) -> torch.Tensor:
+    """The GPU loader's augmentation: image ``index[b]`` of the padded ``data`` (``(N,
+    H + 2p, W + 2p, C)`` uint8), its rows from ``dy[b]``, its columns from ``first[b]``
+    by ``step[b]`` (-1: flipped), each value ``v`` of channel ``c`` replaced by
+    ``table[c, v]``: ``(B, C, H, W)`` in the table's dtype. ``channel``, ``rows``,
+    ``cols``: ``arange(C)``, ``arange(H)``, ``arange(W)`` on the device. Eager: row and
+    column indices, a gather (one pass over the pixels), a conversion to int32 and the
+    lookup; under ``torch.compile``, one kernel that reads each crop's pixels once and
+    writes the batches once."""
+    rows = dy[:, None] + rows  # (B, H)
+    cols = torch.addcmul(first[:, None], step[:, None], cols)  # (B, W)
+    # one gather, the index tensors broadcast to (B, H, W): (B, H, W, C) uint8
+    pixels = data[index[:, None, None], rows[:, :, None], cols[:, None, :]]
+    if channels_last:  # (B, H, W, C) seen as (B, C, H, W): channels_last
+        return table[channel, pixels.int()].permute(0, 3, 1, 2)
+    # the conversion writes (B, C, H, W) in order, and the lookup follows its layout
+    return table[channel[:, None, None], pixels.permute(0, 3, 1, 2).to(
+        torch.int32, memory_format=torch.contiguous_format)]
+
+
+_COMPILED: list = []  # torch.compile(crop_and_look_up), made once per process
+
+
+def _compiled_augmentation(device: torch.device, compile: bool):
+    """``crop_and_look_up`` compiled into one kernel with ``compile``, else ``None``
+    (eager); where ``torch.compile`` cannot work (``utils.devices.compile_problem``) an
+    error says why."""
+    from .devices import compile_problem
+
+    if not check_bool("compile", compile):
+        return None
+    problem = compile_problem(device)
+    if problem is not None:
+        raise ValueError(f"compile=True, but {problem}")
+    if not _COMPILED:
+        # dynamic: an epoch resumed mid-way, or a last chunk, has another length
+        _COMPILED.append(torch.compile(crop_and_look_up, dynamic=True))
+    return _COMPILED[0]
+
+
 # --- the loader -----------------------------------------------------------------------
 
 def _as_nhwc(images, channels: int) -> torch.Tensor:
@@ -413,6 +456,9 @@ class GPULoader:
     ``chunk_batches=k`` makes ``k`` batches at a time, for the same batches (the
     default: the whole epoch on a GPU, ``CPU_CHUNK_IMAGES`` images at a time on the
     CPU, where the pixels then stay in the cache and the first batch comes at once).
+    ``compile=True``: on a GPU the gather and the lookup become one kernel
+    (``torch.compile``; the first epoch then waits for the compilation, once per
+    process and layout).
     """
 
     def __init__(self, images, labels, batch_size: int, *,
@@ -422,7 +468,8 @@ class GPULoader:
                  mean: Sequence[float] = CIFAR_MEAN, std: Sequence[float] = CIFAR_STD,
                  channels_last: bool = False, device=None,
                  dtype: torch.dtype = torch.float32,
-                 chunk_batches: int | None = None) -> None:
+                 chunk_batches: int | None = None,
+                 compile: bool = False) -> None:
         self.batch_size = check_int("batch_size", batch_size, minimum=1)
         self.num_replicas, self.rank = _resolve_world(num_replicas, rank)
         self.shuffle = check_bool("shuffle", shuffle)
@@ -456,6 +503,7 @@ class GPULoader:
         # normalise by the table on a GPU (memory-bound: three passes over the pixels);
         # on the CPU by float arithmetic, which vectorises where a lookup does not
         self.lookup = self.device.type == "cuda"
+        self.compiled = _compiled_augmentation(self.device, compile)
         # batches augmented at a time by default (None: the whole epoch, on a GPU)
         self.default_chunk = (None if self.device.type == "cuda"
                               else max(1, CPU_CHUNK_IMAGES // self.batch_size))
@@ -534,21 +582,18 @@ class GPULoader:
         """The crops of ``index`` (rows from ``dy``, columns from ``first`` by
         ``step``) in the padded images, normalised (by the lookup table on a GPU):
         ``(B, C, H, W)`` in ``self.dtype``."""
+        if self.lookup:
+            crop = self.compiled or crop_and_look_up
+            return crop(self.data, self.table, self.channel, self.rows, self.cols,
+                        index, dy, first, step, self.channels_last)
         rows = dy[:, None] + self.rows  # (B, H)
         cols = torch.addcmul(first[:, None], step[:, None], self.cols)  # (B, W)
-        # one gather, the index tensors broadcast to (B, H, W): (B, H, W, C) uint8
         pixels = self.data[index[:, None, None], rows[:, :, None], cols[:, None, :]]
-        if not self.lookup:  # the CPU: float arithmetic, vectorised, on cached pixels
-            layout = (torch.channels_last if self.channels_last
-                      else torch.contiguous_format)
-            x = pixels.permute(0, 3, 1, 2).to(torch.float32, memory_format=layout)
-            x = x.mul_(self.norm[0]).add_(self.norm[1])
-            return x if self.dtype == torch.float32 else x.to(self.dtype)
-        if self.channels_last:  # (B, H, W, C) seen as (B, C, H, W): channels_last
-            return self.table[self.channel, pixels.int()].permute(0, 3, 1, 2)
-        # the conversion writes (B, C, H, W) in order, and the lookup follows its layout
-        return self.table[self.channel[:, None, None], pixels.permute(0, 3, 1, 2).to(
-            torch.int32, memory_format=torch.contiguous_format)]
+        # the CPU: float arithmetic, vectorised, on pixels still in the cache
+        layout = torch.channels_last if self.channels_last else torch.contiguous_format
+        x = pixels.permute(0, 3, 1, 2).to(torch.float32, memory_format=layout)
+        x = x.mul_(self.norm[0]).add_(self.norm[1])
+        return x if self.dtype == torch.float32 else x.to(self.dtype)
 
     def __repr__(self) -> str:
         return (f"GPULoader({self.dataset_len} images of "

@@ -46,7 +46,6 @@ Each epoch rank 0 writes one JSON line to ``OUT/metrics.jsonl``: ``epoch``, ``st
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import re
@@ -54,7 +53,6 @@ import shutil
 import signal
 import socket
 import sys
-import sysconfig
 import threading
 import time
 from dataclasses import dataclass
@@ -70,6 +68,7 @@ from torch.utils.data import DataLoader, Dataset
 from .data import (download_cifar10, is_synthetic_cifar10, load_cifar10,
                    write_synthetic_cifar10)
 from .devices import collective_device
+from .devices import compile_problem
 from .gpu_loader import CIFAR_MEAN, CIFAR_STD, GPULoader, resident_bytes
 from .metrics import EvalShardSampler, sum_over_ranks
 from .samplers import ShardSampler
@@ -123,8 +122,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="channels_last memory format for the model and its inputs "
                         "(auto: yes with CUDA)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the model (needs g++ or $CXX on the CPU, "
-                        "Triton on CUDA)")
+                   help="torch.compile the model, and the GPU loader's augmentation "
+                        "into one kernel (needs g++ or $CXX on the CPU; Triton, a C "
+                        "compiler and Python.h on CUDA)")
     p.add_argument("--log-every", type=int, default=50,
                    help="read the loss from the device every N steps for the "
                         "progress bar (the only reads during an epoch)")
@@ -241,42 +241,10 @@ def choose_loader(choice: str, device: torch.device, nbytes: int,
 
 def check_compile(device: torch.device) -> None:
     """Refuse ``--compile`` where ``torch.compile`` cannot work, before any work is
-    done: an unsupported Python, no C++ compiler for the CPU (inductor's: ``$CXX``, else
-    g++, clang++ on macOS), no Triton for CUDA."""
-    try:
-        import torch._dynamo
-
-        supported = torch._dynamo.is_dynamo_supported()
-    except Exception:  # an old or partial torch
-        supported = False
-    if not supported:
-        raise SystemExit(f"error: --compile: torch.compile does not support this "
-                         f"Python ({sys.version.split()[0]}) with torch "
-                         f"{torch.__version__}; leave out --compile")
-    if device.type == "cpu":
-        default = "clang++" if sys.platform == "darwin" else "g++"
-        compiler = os.environ.get("CXX", default)
-        if shutil.which(compiler) is None:
-            raise SystemExit(f"error: --compile on the CPU needs a C++ compiler, and "
-                             f"{compiler!r} (from $CXX or the default {default}) is "
-                             f"not found; install one, set CXX, or leave out --compile")
-    elif importlib.util.find_spec("triton") is None:
-        raise SystemExit("error: --compile on CUDA needs Triton (pip install triton); "
-                         "leave out --compile")
-    else:  # Triton builds a small C launcher per kernel: a C compiler, Python's headers
-        compiler = os.environ.get("CC") or next(
-            (c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
-        if compiler is None or shutil.which(compiler) is None:
-            raise SystemExit(f"error: --compile on CUDA needs a C compiler for Triton's "
-                             f"launchers, and {compiler or 'none'!s} (from $CC, else cc, "
-                             f"gcc, clang) is not found; install one, set CC, or leave "
-                             f"out --compile")
-        include = sysconfig.get_paths().get("include") or ""
-        if not os.path.exists(os.path.join(include, "Python.h")):
-            raise SystemExit(f"error: --compile on CUDA needs Python's headers for "
-                             f"Triton's launchers, and Python.h is not in {include!r} "
-                             f"(a python3-dev package, or a Python built with them); "
-                             f"or leave out --compile")
+    done (``utils.devices.compile_problem``)."""
+    problem = compile_problem(device)
+    if problem is not None:
+        raise SystemExit(f"error: {problem}")
 
 
 def agreed_free_memory(device: torch.device, ddp: bool) -> int | None:
@@ -973,7 +941,7 @@ def make_train_loader(args, job: Job, train_set: KeyedAugment, loader: str,
                          num_replicas=job.world_size, rank=job.rank, seed=args.seed,
                          drop_last=True, drop_last_batch=True,
                          channels_last=job.channels_last, device=job.device,
-                         dtype=batch_dtype(args)), None
+                         dtype=batch_dtype(args), compile=args.compile), None
     sampler = EpochSampler(train_set, job.world_size, job.rank, shuffle=True,
                            seed=args.seed)
     return DataLoader(train_set, batch_size=job.batch_size, sampler=sampler,
