@@ -480,3 +480,19 @@ def test_a_failing_check_is_recorded_and_the_others_still_run(tmp_path, monkeypa
     assert checks["two_nodes"]["relative_distance"] == pytest.approx(1.0)
     assert checks["two_nodes"]["runs"]["node0"]["returncode"] == 0
     assert checks["training"]["passed"] is True and checks["make_test"]["passed"] is True
+
+
+def test_the_tolerance_comes_from_the_run_to_run_noise_measured_here(tmp_path):
+    init = initial_weights("simplecnn")
+    for name, offset in (("uninterrupted", 0.01), ("speed", 0.0101)):  # the training check's pair
+        os.makedirs(tmp_path / name)
+        torch.save({k: v + offset if v.is_floating_point() else v for k, v in init.items()},
+                   tmp_path / name / "model_final.pt")
+    noise = gpu_check.compare_weights(gpu_check.final_weights(str(tmp_path), "speed"),
+                                      gpu_check.final_weights(str(tmp_path), "uninterrupted"),
+                                      "simplecnn")["relative_distance"]
+    limit, source = gpu_check.tolerance(str(tmp_path), "simplecnn")
+    assert 0 < noise and limit == gpu_check.NOISE_FACTOR * noise and "run-to-run noise" in source
+    (tmp_path / "speed" / "model_final.pt").unlink()  # nothing measured: the fixed tolerance, said so
+    limit, source = gpu_check.tolerance(str(tmp_path), "simplecnn")
+    assert limit == gpu_check.RESUME_TOLERANCE and source.startswith("RESUME_TOLERANCE: no run-to-run")

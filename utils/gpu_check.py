@@ -44,7 +44,7 @@ DataLoader workers, pinned memory), ``compile`` (a ``--compile`` run, not checke
 ``torch.compile`` cannot work: no Triton, C compiler or ``Python.h``, an unsupported
 Python), ``amp_fp16`` (the pair with ``--amp fp16``, whose gradient scaler the
 checkpoint must hold), and on 2 GPUs or more ``resume_on_fewer_gpus`` (stopped on all
-GPUs, resumed on fewer: compared within ``RESUME_TOLERANCE``) and ``two_nodes`` (two
+GPUs, resumed on fewer: compared within ``tolerance``) and ``two_nodes`` (two
 torchruns as two nodes, static rendezvous on 127.0.0.1, the GPUs split with
 ``CUDA_VISIBLE_DEVICES``). Every check: ``nondeterministic_ops``, each op that warned
 it has no deterministic kernel in a ``--deterministic`` run (any op not in
@@ -78,19 +78,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import results
 from .hangs import kill_tree, python_stacks
 from .launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# what the checks run (utils.results records their hashes in the results file)
+SOURCES = ["utils/gpu_check.py", "utils/train_cifar10.py", "utils/gpu_loader.py",
+           "utils/step_bench.py", "utils/loader_bench.py", "utils/ddp.py",
+           "utils/metrics.py", "utils/launch.py", "utils/samplers.py",
+           "utils/workers.py"]
 RUN_TIMEOUT = 600  # seconds for one torchrun (the runs take well under a minute)
 FAILED_NODE_GRACE = 60  # seconds a node may run on after the other one failed
 # relative_distance below which a run resumed on fewer GPUs, or run as two nodes,
 # counts as the same training as the uninterrupted run: summing in another order ends
 # ~1e-3 away on the CPU (tests/test_train_cifar10.py), a run that sees other
-# augmentations of the same images ~0.9 away. Not yet calibrated on a GPU (bf16): the
-# file records each distance, and the distance between two runs that differ only by
-# --deterministic (the run-to-run noise of the nondeterministic kernels).
+# augmentations of the same images ~0.9 away. Used where no run-to-run noise was
+# measured (``tolerance``): on a GPU the full profile measures it (the distance between
+# two runs that differ only by --deterministic, the noise of the kernels without fixed
+# bits) and allows NOISE_FACTOR times that.
 RESUME_TOLERANCE = 0.05
+NOISE_FACTOR = 4
 # ops that may warn "... does not have a deterministic implementation" in a
 # --deterministic run without failing the check: {op name: why it is tolerated}.
 # Empty: no op is known to need it (the script replaced AdaptiveAvgPool2d, whose CUDA
@@ -641,14 +649,33 @@ def _reference_name(runs: dict) -> str:
             else "uninterrupted, from an earlier check (training)")
 
 
-def _close_to(reference: dict | None, weights: dict | None, model: str) -> dict:
+def tolerance(work: str, model: str) -> tuple[float, str]:
+    """``(tolerance, where it comes from)`` for a run that sums in another order than
+    the reference: ``NOISE_FACTOR`` times this machine's run-to-run noise (the distance
+    between the training check's ``speed`` run and its ``--deterministic`` one, the
+    same training but for kernels without fixed bits), where that was measured in
+    ``work``; else ``RESUME_TOLERANCE``, not calibrated."""
+    speed, deterministic = final_weights(work, "speed"), final_weights(work,
+                                                                      "uninterrupted")
+    if speed is not None and deterministic is not None:
+        noise = compare_weights(speed, deterministic, model)["relative_distance"]
+        if noise > 0:
+            return (NOISE_FACTOR * noise,
+                    f"{NOISE_FACTOR} x the run-to-run noise measured here ({noise:.3g})")
+    return RESUME_TOLERANCE, "RESUME_TOLERANCE: no run-to-run noise measured here"
+
+
+def _close_to(reference: dict | None, weights: dict | None, model: str,
+              work: str) -> dict:
     """The comparison with the reference run, and whether it is within
-    ``RESUME_TOLERANCE``."""
+    ``tolerance``."""
+    limit, source = tolerance(work, model)
     if reference is None or weights is None:
-        return {"within_tolerance": False, "tolerance": RESUME_TOLERANCE}
+        return {"within_tolerance": False, "tolerance": limit,
+                "tolerance_from": source}
     compared = compare_weights(reference, weights, model)
-    return {**compared, "tolerance": RESUME_TOLERANCE,
-            "within_tolerance": compared["relative_distance"] < RESUME_TOLERANCE}
+    return {**compared, "tolerance": limit, "tolerance_from": source,
+            "within_tolerance": compared["relative_distance"] < limit}
 
 
 def fewer_gpus_check(nproc: int, work: str, device: str = "cuda") -> dict:
@@ -670,7 +697,8 @@ def fewer_gpus_check(nproc: int, work: str, device: str = "cuda") -> dict:
     split = f"global batch {_arg(common, '--global-batch')} = "
     split += f"{int(_arg(common, '--global-batch')) // fewer} x {fewer}"
     on_fewer = any(split in line for line in done["setup"])
-    close = _close_to(reference, final_weights(work, resumed), _arg(common, "--model"))
+    close = _close_to(reference, final_weights(work, resumed), _arg(common, "--model"),
+                      work)
     return {"gpus": [nproc, fewer], "runs": runs,
             "reference_run": _reference_name(runs),
             "resumed": done["resumed"], "ran_on_fewer": on_fewer, **close,
@@ -702,7 +730,7 @@ def two_nodes_check(nproc: int, work: str, device: str = "cuda") -> dict:
     nodes = [runs["node0"], runs["node1"]]
     world = {m.get("world_size") for m in runs["node0"].get("metrics", [])}
     close = _close_to(reference, final_weights(folders[0], "out"),
-                      _arg(common, "--model"))
+                      _arg(common, "--model"), work)
     return {"gpus_per_node": per_node, "world_size": 2 * per_node,
             "cuda_visible_devices": [env["CUDA_VISIBLE_DEVICES"]
                                      for _, env in launches],
@@ -941,7 +969,7 @@ def results_name(profile: str, rehearse: bool, gpu: str) -> str:
     return f"gpu_check_{'quick_' if profile == 'quick' else ''}{slug}.json"
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     # the docstring's first paragraph (argparse re-flows it onto one line)
     p = argparse.ArgumentParser(prog="python -m utils.gpu_check",
                                 description=__doc__.split("\n\n")[0])
@@ -960,6 +988,11 @@ def main(argv=None) -> int:
                         "run nothing")
     p.add_argument("--allow-no-gpu", action="store_true",
                    help="exit 0, not 1, where there is no GPU at all")
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     profile = "quick" if args.quick else "full"
     if args.rehearse and args.make_test:
@@ -1016,12 +1049,9 @@ def main(argv=None) -> int:
     report["checks"] = run_checks(names, nproc, device)
     report["total_seconds"] = round(time.perf_counter() - t0, 1)
     report["passed"] = all(c["passed"] for c in report["checks"].values())
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, results_name(profile, args.rehearse,
                                                (env["gpus"] or ["cpu"])[0]))
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
+    results.write(path, report, SOURCES, gpu=not args.rehearse)
     print(f"{'PASSED' if report['passed'] else 'FAILED'} in "
           f"{report['total_seconds']:.0f} s; results in {path}")
     return 0 if report["passed"] else 1

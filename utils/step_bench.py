@@ -31,7 +31,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from . import results
 from . import train_cifar10 as script
+
+# what the figures depend on (utils.results records their hashes)
+SOURCES = ["utils/step_bench.py", "utils/train_cifar10.py", "utils/gpu_loader.py",
+           "utils/ddp.py"]
 
 
 def bare_epoch(model, optimizer, loader, job, amp: str | None) -> int:
@@ -115,8 +120,7 @@ def main(argv=None) -> dict | None:
                 "bare_steps_per_s", "capstone_steps_per_s", "capstone_over_bare")}),
                 flush=True)
             if mine.result:
-                script.write_atomically(mine.result, lambda f: f.write(
-                    (json.dumps(result, indent=2) + "\n").encode()))
+                results.write(mine.result, result, SOURCES, gpu=job.cuda)
         if job.ddp:
             dist.destroy_process_group()
     return result

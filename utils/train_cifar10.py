@@ -122,9 +122,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="channels_last memory format for the model and its inputs "
                         "(auto: yes with CUDA)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the model, and the GPU loader's augmentation "
-                        "into one kernel (needs g++ or $CXX on the CPU; Triton, a C "
-                        "compiler and Python.h on CUDA)")
+                   help="torch.compile the model and the GPU loader's augmentation "
+                        "(g++ or $CXX on the CPU; Triton, cc and Python.h on CUDA)")
     p.add_argument("--log-every", type=int, default=50,
                    help="read the loss from the device every N steps for the "
                         "progress bar (the only reads during an epoch)")

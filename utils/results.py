@@ -1,0 +1,96 @@
+"""The one writer of ``book/results/``: every results file records the source of the
+code its figures depend on, so that a stale file is found by a test, not by a reader.
+
+    write(path, result, sources)   # atomically; adds "sources" and "date"
+    stale(path)                    # the sources that changed since the file was written
+
+``sources`` are paths relative to the repository root (``utils/gpu_loader.py``), or
+one definition in a file (``utils/bench.py::bench_ddp``); each is recorded with the
+SHA-256 of its text. A writer lists what its figures depend on,
+and says in its code why it leaves out anything else it runs (a chapter it only
+times, say). ``tests/test_results.py`` fails when a CPU results file is stale: run its
+``command`` again. A file measured on a GPU (``"gpu": true``) cannot be remade on the
+machine the tests run on; the chapter that shows it prints which of its sources have
+changed since.
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import hashlib
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "book", "results")
+
+
+def source_hash(source: str, root: str = ROOT, text: str | None = None) -> str | None:
+    """SHA-256, as hex, of ``source``: a file (``utils/gpu_loader.py``), or one
+    top-level function, class or assignment in it (``utils/bench.py::bench_ddp``),
+    where a file holds several benchmarks. ``None``: no such file or name. ``text``:
+    the file's text, if not read from ``root``."""
+    relative, _, name = source.partition("::")
+    if text is None:
+        try:
+            with open(os.path.join(root, relative), encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            return None
+    if name:
+        text = _definition(text, name)
+        if text is None:
+            return None
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _definition(text: str, name: str) -> str | None:
+    """The source of the top-level ``def``, ``class`` or assignment ``name`` in
+    ``text`` (decorators included), or ``None``."""
+    for node in ast.parse(text).body:
+        names = ([node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef,
+                                                  ast.AsyncFunctionDef))
+                 else [t.id for t in getattr(node, "targets", [])
+                       if isinstance(t, ast.Name)])
+        if name in names:
+            lines = text.splitlines()
+            first = min([node.lineno] + [d.lineno for d in
+                                         getattr(node, "decorator_list", [])])
+            return "\n".join(lines[first - 1:node.end_lineno])
+    return None
+
+
+def write(path: str, result: dict, sources: list[str], gpu: bool = False,
+          root: str = ROOT) -> None:
+    """``result`` as JSON at ``path``, written to a temporary file and renamed (never
+    half a file), with ``sources`` (their hashes now), ``gpu`` and a ``date`` if it
+    has none; say so."""
+    missing = [s for s in sources if source_hash(s, root) is None]
+    if missing or not sources:
+        raise ValueError(f"sources must name files (or definitions in them) of this "
+                         f"repository, relative to {root}; not found: "
+                         f"{missing or 'none given'}")
+    result = {**result, "sources": {s: source_hash(s, root) for s in sorted(sources)},
+              "gpu": gpu}
+    result.setdefault("date", datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+    print(f"saved {path}")
+
+
+def stale(path: str, root: str = ROOT) -> list[str]:
+    """The sources of the results file at ``path`` that differ from the files in this
+    repository now (changed or gone); ``["(no sources recorded)"]`` for a file that
+    does not say what it measured."""
+    with open(path) as f:
+        recorded = json.load(f).get("sources")
+    if not recorded:
+        return ["(no sources recorded)"]
+    return [s for s, digest in sorted(recorded.items())
+            if source_hash(s, root) != digest]
