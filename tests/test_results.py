@@ -47,7 +47,11 @@ def test_a_changed_source_makes_a_file_stale_and_an_unrelated_change_does_not(tm
     assert results.stale(out, root=str(tmp_path)) == []
     code.write_text(code.read_text().replace("pass", "return 2"))  # another function
     assert results.stale(out, root=str(tmp_path)) == []
-    code.write_text(code.read_text().replace("return X", "return X + 1"))
+    # a docstring, a comment, a line wrapped: the same code
+    code.write_text(code.read_text().replace("def measured():\n    return X",
+                                             'def measured():\n    """Why."""  # note\n    return (\n        X)'))
+    assert results.stale(out, root=str(tmp_path)) == []
+    code.write_text(code.read_text().replace("        X)", "        X + 1)"))
     assert results.stale(out, root=str(tmp_path)) == ["utils/bench.py::measured"]
     code.unlink()
     assert results.stale(out, root=str(tmp_path)) == ["utils/bench.py::X", "utils/bench.py::measured"]

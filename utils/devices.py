@@ -73,12 +73,13 @@ def compile_problem(device: torch.device) -> str | None:
         default = "clang++" if sys.platform == "darwin" else "g++"
         compiler = os.environ.get("CXX", default)
         if shutil.which(compiler) is None:
-            return (f"--compile on the CPU needs a C++ compiler, and {compiler!r} (from "
-                    f"$CXX or the default {default}) is not found; install one, set CXX, "
-                    f"or leave out --compile")
+            return (f"--compile on the CPU needs a C++ compiler, and {compiler!r} "
+                    f"(from $CXX or the default {default}) is not found; install one, "
+                    f"set CXX, or leave out --compile")
         return None
     if importlib.util.find_spec("triton") is None:
-        return "--compile on CUDA needs Triton (pip install triton); leave out --compile"
+        return ("--compile on CUDA needs Triton (pip install triton); leave out "
+                "--compile")
     compiler = os.environ.get("CC") or next(
         (c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
     if compiler is None or shutil.which(compiler) is None:

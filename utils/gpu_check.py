@@ -1,10 +1,10 @@
 """`make gpu-check`: the CUDA paths of the book, checked on every local GPU, with a
 results file.
 
-    python -m utils.gpu_check --quick        # the checks worth most: 3 minutes on an H100
+    python -m utils.gpu_check --quick        # the checks worth most: 3 min on an H100
     python -m utils.gpu_check                # the full profile
     python -m utils.gpu_check --make-test    # ... and `make test` on this machine too
-    python -m utils.gpu_check --quick --dry-run    # the plan and its timings; runs nothing
+    python -m utils.gpu_check --quick --dry-run    # the plan and its timings only
     python -m utils.gpu_check --quick --rehearse   # the same plan on this CPU
 
 It runs as it is, from a clone of the book, with the Python and torch (2.4 or later)
@@ -620,7 +620,8 @@ def throughput_check(nproc: int, work: str, device: str = "cuda") -> dict:
     args = common_args(nproc, work, device, sync_bn=False)
     args = _without(_without(args, "--epochs"), "--checkpoint-every")  # set there, off
     steps = 60 if device == "cuda" else 8
-    args = _with(args, "--synthetic-size", str(steps * int(_arg(args, "--global-batch"))))
+    args = _with(args, "--synthetic-size",
+                 str(steps * int(_arg(args, "--global-batch"))))
     args = _with(args, "--data", os.path.join(work, "bench_data"))
     args += ["--out", os.path.join(work, "bench_out")]
     path = os.path.join(work, "step_bench.json")
@@ -632,7 +633,8 @@ def throughput_check(nproc: int, work: str, device: str = "cuda") -> dict:
         with open(path) as f:
             result = json.load(f)
     return {"seconds": round(time.perf_counter() - t0, 1), "result": result,
-            "returncode": returncode, "stderr_tail": stderr[-1500:] if returncode else "",
+            "returncode": returncode,
+            "stderr_tail": stderr[-1500:] if returncode else "",
             "passed": bool(returncode == 0 and result)}
 
 
@@ -661,7 +663,8 @@ def tolerance(work: str, model: str) -> tuple[float, str]:
         noise = compare_weights(speed, deterministic, model)["relative_distance"]
         if noise > 0:
             return (NOISE_FACTOR * noise,
-                    f"{NOISE_FACTOR} x the run-to-run noise measured here ({noise:.3g})")
+                    f"{NOISE_FACTOR} x the run-to-run noise measured here "
+                    f"({noise:.3g})")
     return RESUME_TOLERANCE, "RESUME_TOLERANCE: no run-to-run noise measured here"
 
 
@@ -981,8 +984,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--make-test", action="store_true",
                    help="also run `make test` and record its result")
     p.add_argument("--rehearse", action="store_true",
-                   help="run the same plan on this machine's CPU (2 gloo ranks, a small "
-                        "CNN, the same timeouts): proves the orchestration, not CUDA")
+                   help="run the same plan on this machine's CPU (2 gloo ranks, a "
+                        "small CNN, the same timeouts): proves the orchestration, not "
+                        "CUDA")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan and the seconds each check is stated to take; "
                         "run nothing")

@@ -39,10 +39,10 @@ Where each random choice comes from:
   device once per epoch. With ``batch_size`` per rank, batch ``k`` of all ranks
   together covers positions ``[k*b*R, (k+1)*b*R)`` of the epoch's order.
 - The crop offsets and the flip of sample ``index`` in ``epoch`` are a hash of
-  ``(seed, epoch, index)``, computed with exact 64-bit integer operations (by the loader
-  in NumPy on the host, by ``augment_batch`` and ``augment_draws`` with tensor operations
-  on the data's device: the same values everywhere): no generator, no state, no
-  dependence on the
+  ``(seed, epoch, index)``, computed with exact 64-bit integer operations (by the
+  loader in NumPy on the host, by ``augment_batch`` and ``augment_draws`` with tensor
+  operations on the data's device: the same values everywhere): no generator, no
+  state, no dependence on the
   batch size, the rank or what ran before. A run resumed mid-epoch
   (``set_epoch(epoch, start_batch=k)``) yields exactly the batches an uninterrupted run
   yields from batch ``k`` on.
@@ -101,7 +101,8 @@ def _mix_int(x: int) -> int:
 
 
 def _mix_np(x: np.ndarray) -> np.ndarray:
-    """lowbias32 on a uint64 array of values in ``[0, 2**32)`` (products fit 64 bits)."""
+    """lowbias32 on a uint64 array of values in ``[0, 2**32)`` (the products fit in
+    64 bits)."""
     x = x ^ (x >> 16)
     x = (x * _C1) & _M32
     x = x ^ (x >> 15)

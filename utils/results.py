@@ -6,12 +6,12 @@ code its figures depend on, so that a stale file is found by a test, not by a re
 
 ``sources`` are paths relative to the repository root (``utils/gpu_loader.py``), or
 one definition in a file (``utils/bench.py::bench_ddp``); each is recorded with the
-SHA-256 of its text. A writer lists what its figures depend on,
-and says in its code why it leaves out anything else it runs (a chapter it only
-times, say). ``tests/test_results.py`` fails when a CPU results file is stale: run its
-``command`` again. A file measured on a GPU (``"gpu": true``) cannot be remade on the
-machine the tests run on; the chapter that shows it prints which of its sources have
-changed since.
+SHA-256 of its code (the syntax tree without docstrings and comments). A writer lists
+what its figures depend on, and says in its code why it leaves out anything else it
+runs (a chapter it only times, say). ``tests/test_results.py`` fails when a CPU
+results file is stale: run its ``command`` again. A file measured on a GPU (``"gpu":
+true``) cannot be remade on the machine the tests run on; the chapter that shows it
+prints which of its sources have changed since.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ RESULTS = os.path.join(ROOT, "book", "results")
 
 
 def source_hash(source: str, root: str = ROOT, text: str | None = None) -> str | None:
-    """SHA-256, as hex, of ``source``: a file (``utils/gpu_loader.py``), or one
-    top-level function, class or assignment in it (``utils/bench.py::bench_ddp``),
-    where a file holds several benchmarks. ``None``: no such file or name. ``text``:
-    the file's text, if not read from ``root``."""
+    """SHA-256, as hex, of the code of ``source``: a file (``utils/gpu_loader.py``), or
+    one top-level function, class or assignment in it (``utils/bench.py::bench_ddp``),
+    where a file holds several benchmarks; its syntax tree without docstrings, so that
+    rewording or rewrapping is no change. ``None``: no such file or name. ``text``: the
+    file's text, if not read from ``root``."""
     relative, _, name = source.partition("::")
     if text is None:
         try:
@@ -38,26 +39,36 @@ def source_hash(source: str, root: str = ROOT, text: str | None = None) -> str |
                 text = f.read()
         except FileNotFoundError:
             return None
+    tree = ast.parse(text)
     if name:
-        text = _definition(text, name)
-        if text is None:
+        tree = _definition(tree, name)
+        if tree is None:
             return None
-    return hashlib.sha256(text.encode()).hexdigest()
+    return hashlib.sha256(_code_only(tree).encode()).hexdigest()
 
 
-def _definition(text: str, name: str) -> str | None:
-    """The source of the top-level ``def``, ``class`` or assignment ``name`` in
-    ``text`` (decorators included), or ``None``."""
-    for node in ast.parse(text).body:
+def _code_only(tree: ast.AST) -> str:
+    """The syntax tree without its docstrings, as text: what the code does, not how it
+    is worded, wrapped or commented (comments are not in the tree)."""
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree, include_attributes=False)
+
+
+def _definition(tree: ast.Module, name: str) -> ast.AST | None:
+    """The top-level ``def``, ``class`` or assignment ``name`` in ``tree``, or
+    ``None``."""
+    for node in tree.body:
         names = ([node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef,
                                                   ast.AsyncFunctionDef))
                  else [t.id for t in getattr(node, "targets", [])
                        if isinstance(t, ast.Name)])
         if name in names:
-            lines = text.splitlines()
-            first = min([node.lineno] + [d.lineno for d in
-                                         getattr(node, "decorator_list", [])])
-            return "\n".join(lines[first - 1:node.end_lineno])
+            return node
     return None
 
 

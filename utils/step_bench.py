@@ -5,7 +5,7 @@ work ``utils.train_cifar10`` adds to each step.
         --synthetic --synthetic-size 2048 256 --global-batch 64 --workers 0 \\
         --data /tmp/step_data --out /tmp/step_out --result step.json
 
-Each epoch of ``--rounds`` (default 5) runs twice, in turns: once through the script's own
+Each epoch of ``--rounds`` (default 5) runs twice, in turns: once through the script's
 ``train_epoch`` (its ``train_step``, the loss summed on the device, the stop flag the
 ranks agree on, the per-step seed, a checkpoint if ``--checkpoint-every`` asks), once
 through a bare DDP loop (move the batch, forward, loss, backward, optimizer step:
@@ -102,7 +102,8 @@ def main(argv=None) -> dict | None:
                 _settled(job)
                 t0 = time.perf_counter()
                 if name == "bare":
-                    steps = bare_epoch(model, optimizer, data.train_loader, job, args.amp)
+                    steps = bare_epoch(model, optimizer, data.train_loader, job,
+                                       args.amp)
                 else:
                     training.step_in_epoch = 0
                     script.train_epoch(args, job, data, training, model, restarts=1)

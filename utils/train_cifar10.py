@@ -20,8 +20,8 @@ and the sample index (augmentations), or of the seed, step and rank (anything a 
 draws), so a run killed and resumed from a checkpoint, on any number of workers, ends
 with the same parameters as one that never stopped. Under torchrun's restarts each
 attempt gets a store of its own (``attempt_store``); SIGTERM or SIGUSR1 makes every rank
-stop after the same step (the ranks agree on it every ``STOP_CHECK_EVERY`` steps and after
-an epoch's last step), with one checkpoint, ``preempted.json`` and exit code 75
+stop after the same step (the ranks agree on it every ``STOP_CHECK_EVERY`` steps and
+after an epoch's last step), with one checkpoint, ``preempted.json`` and exit code 75
 (``EXIT_PREEMPTED``); ``examples/slurm/train_cifar10.sbatch`` runs it under SLURM.
 
 Feeding the GPU: ``--loader gpu`` keeps the uint8 training set on the device and
@@ -138,7 +138,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sync-bn", action="store_true",
                    help="SyncBatchNorm across GPUs (CUDA only; off by default: a "
                         "collective in every BatchNorm layer, forward and backward, "
-                        "for statistics over the global batch instead of the local one)")
+                        "for statistics over the global batch, not the local one)")
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic algorithms and fixed DDP buckets: "
                         "bit-identical restarts (slower)")
