@@ -63,3 +63,15 @@ def test_a_file_that_records_no_sources_is_stale(tmp_path):
     path = tmp_path / "old.json"
     path.write_text(json.dumps({"command": "c"}))
     assert results.stale(str(path)) == ["(no sources recorded)"]
+
+
+def test_the_hash_is_the_same_on_every_python():
+    """A GPU machine's Python (3.12 there) and the tests' (3.11 here) must hash the same code
+    alike: ast.dump differs between them (3.12 adds type_params=[], 3.13 drops empty fields).
+    This text is what 3.10, 3.11, 3.12 and 3.13 all printed."""
+    import ast
+    tree = ast.parse('def f(x, k=None):\n    """Doc."""\n    return x\n\n\nclass C:\n    pass\n')
+    assert results._code_only(tree) == (
+        "Module(body=[FunctionDef(name='f', args=arguments(args=[arg(arg='x'), arg(arg='k')], "
+        "defaults=[Constant()]), body=[Return(value=Name(id='x', ctx=Load()))]), "
+        "ClassDef(name='C', body=[Pass()])])")

@@ -807,8 +807,9 @@ QUICK_LEAVES = ("--quick leaves to the full profile: SyncBatchNorm, DataLoader w
                 "feeding the GPUs, --compile, --amp fp16, resume on fewer GPUs, two "
                 "nodes, make test")
 # seconds each check takes on one GPU, as --dry-run states them: {check: (seconds,
-# where that figure comes from)}. Measured: book/results/gpu_check_quick_nvidia_h100_
-# 80gb_hbm3.json (its check_seconds, rounded up; the whole --quick took 178 s there).
+# where that figure comes from)}. Measured: the first --quick on one H100 (its
+# check_seconds, rounded up; 178 s in all); the run now in book/results/gpu_check_quick_
+# nvidia_h100_80gb_hbm3.json, of the loader and loop as they are now, took 149 s.
 H100 = "measured, 1 x H100 80GB, 2026-11-26"
 STATED_SECONDS = {
     "collectives": (15, H100), "loader_no_sync": (7, H100), "capstone": (105, H100),

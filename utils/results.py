@@ -56,7 +56,22 @@ def _code_only(tree: ast.AST) -> str:
                 and isinstance(body[0].value, ast.Constant)
                 and isinstance(body[0].value.value, str)):
             node.body = body[1:] or [ast.Pass()]
-    return ast.dump(tree, include_attributes=False)
+    return _dump(tree)
+
+
+def _dump(node) -> str:
+    """``ast.dump`` without the fields that are empty or ``None``: the same text on
+    every Python the book runs on (3.12 adds ``type_params=[]`` to each function and
+    class, 3.13 leaves empty fields out), so a file measured on a GPU machine's Python
+    is judged by the same hash as on the tests' one."""
+    if isinstance(node, ast.AST):
+        fields = ", ".join(f"{name}={_dump(value)}"
+                           for name, value in ast.iter_fields(node)
+                           if value is not None and value != [])
+        return f"{type(node).__name__}({fields})"
+    if isinstance(node, list):
+        return "[" + ", ".join(_dump(item) for item in node) + "]"
+    return repr(node)
 
 
 def _definition(tree: ast.Module, name: str) -> ast.AST | None:
