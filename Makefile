@@ -122,8 +122,9 @@ test-notebooks-portable: $(STAMP)
 test-utils-spawn: $(STAMP)
 	$(call FORCED,spawn) $(UTILS_TESTS)
 
-## make gpu-check: on a CUDA machine, nccl on all local GPUs; the training script under torchrun (killed and restarted,
-## workers, --compile, fp16, on fewer GPUs, as 2 nodes), then `make test`; writes book/results/gpu_check_<gpu>.json
+## make gpu-check: on a CUDA machine, the full profile of utils.gpu_check on all local GPUs (--quick's checks, then
+## SyncBN, workers, --compile, fp16, fewer GPUs, 2 nodes), then `make test`; writes book/results/gpu_check_<gpu>.json.
+## Without .venv, with the torch already there: python -m utils.gpu_check --quick
 gpu-check: $(STAMP)
 	$(BIN)/python -m utils.gpu_check --make-test
 
@@ -134,6 +135,9 @@ bench: $(STAMP)
 	$(BIN)/python -m utils.bench restart --repeats 10 --out book/results/torchrun_restart_cpu.json
 	$(BIN)/python -m utils.bench loader --out book/results/loader_bench_cpu.json
 	$(BIN)/python -m utils.bench samplers --out book/results/permutation_sampler_bench_cpu.json
+	$(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2 -m utils.step_bench --device cpu \
+		--synthetic --synthetic-size 512 256 --global-batch 8 --workers 0 --loader gpu --rounds 9 \
+		--data runs/step_bench/data --out runs/step_bench/out --result book/results/step_overhead_cpu.json
 
 clean:
 	rm -rf _build

@@ -24,12 +24,6 @@ from utils.gpu_check import collective_checks, main
 from utils.launch import run_distributed
 
 
-def test_the_collective_checks_pass_on_cpu_ranks_with_gloo():
-    per_rank = run_distributed(collective_checks, 3, "cpu")
-    assert per_rank == [{"sum_over_ranks": True, "gather_by_index": True, "NaiveDDP": True,
-                         "BucketedDDP": True, "SyncBatchNorm": True}] * 3
-
-
 def test_the_collective_checks_catch_a_broken_sum():
     def broken(device_type):
         dist = utils.metrics.dist
@@ -45,17 +39,73 @@ def test_the_collective_checks_catch_a_broken_sum():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message for machines without CUDA")
-def test_without_cuda_it_says_so_and_exits_0(tmp_path, capsys):
-    assert main(["--out", str(tmp_path)]) == 0
-    assert "torch.cuda.is_available() is False" in capsys.readouterr().out
+def test_without_a_gpu_it_fails_saying_so_unless_allowed(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(gpu_check, "nvidia_smi_gpus", lambda: [])
+    assert main(["--out", str(tmp_path)]) == 1
+    said = capsys.readouterr()
+    assert "error: no GPU here" in said.err and "--rehearse" in said.err
+    assert main(["--out", str(tmp_path), "--allow-no-gpu"]) == 0
+    assert "--allow-no-gpu: nothing checked" in capsys.readouterr().out
+    # GPUs that nvidia-smi lists and torch cannot use: a failure, whatever --allow-no-gpu says
+    monkeypatch.setattr(gpu_check, "nvidia_smi_gpus", lambda: ["GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1)"])
+    assert main(["--out", str(tmp_path), "--allow-no-gpu"]) == 1
+    assert "nvidia-smi lists 1 GPU(s) (GPU 0: NVIDIA H100" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_gpus_that_torch_cannot_use_are_named():
+    two = ["GPU 0: A", "GPU 1: B"]
+    assert gpu_check.gpu_problem(two, {}, True, 2) is None
+    assert "torch sees 1" in gpu_check.gpu_problem(two, {}, True, 1)
+    assert gpu_check.gpu_problem(two, {"CUDA_VISIBLE_DEVICES": "1"}, True, 1) is None  # one asked for
+    assert "torch cannot use them" in gpu_check.gpu_problem(two, {}, False, 0)
+    assert gpu_check.gpu_problem(two, {"CUDA_VISIBLE_DEVICES": ""}, False, 0).startswith("no GPU here")
+    assert gpu_check.gpu_problem([], {}, True, 1) is None  # no nvidia-smi, torch sees one: fine
+
+
+def test_the_quick_plan_fits_its_minutes_by_the_timings_it_states(capsys):
+    assert main(["--quick", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    total = int(out.split("total")[1].split()[0])
+    assert total <= 60 * gpu_check.QUICK_MINUTES
+    assert [line.split()[0] for line in out.splitlines()[1:6]] == gpu_check.QUICK
+    checks, _ = gpu_check.plan(1, profile="quick")
+    assert sum(gpu_check.STATED_SECONDS[c][0] for c in checks) == total
+
+
+def test_the_quick_profile_rehearsed_on_the_cpu(tmp_path, monkeypatch):
+    """The same plan, the same timeouts, for real on 2 gloo ranks: the orchestration works before a GPU
+    is seen. (Ranks started by torchrun, as on the GPU.)"""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(gpu_check, "RUN_TIMEOUT", gpu_check.RUN_TIMEOUT)  # main sets it for --quick
+    assert main(["--quick", "--rehearse", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu_check_rehearsal_cpu_quick.json").read_text())
+    assert report["rehearsal"] and report["device"] == "cpu" and report["world_size"] == 2
+    assert report["run_timeout_s"] == gpu_check.QUICK_RUN_TIMEOUT
+    checks = report["checks"]
+    assert list(checks) == gpu_check.QUICK + ["nondeterministic_ops"]
+    assert checks["collectives"]["per_rank"] == [{"sum_over_ranks": True, "gather_by_index": True,
+                                                  "NaiveDDP": True, "BucketedDDP": True,
+                                                  "SyncBatchNorm": True}] * 2
+    assert checks["loader_no_sync"]["batches_equal_cpu"] and checks["loader_no_sync"]["batches"] == 5
+    capstone = checks["capstone"]
+    assert capstone["bit_identical_after_restart"] and capstone["restarted_run_resumed"] and capstone["fp32_finished"]
+    assert capstone["runs"]["amp_killed_and_restarted"]["nccl_pinned"] == {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}
+    assert checks["loader_bench"]["result"]["results"] and "resident" in checks["loader_bench"]["table"]
+    bench = checks["throughput"]["result"]
+    assert bench["world_size"] == 2 and bench["steps_per_epoch"] == 8 and bench["capstone_over_bare"] > 0
+    assert all(c["passed"] for c in checks.values())
 
 
 # --- what runs where ----------------------------------------------------------------------------------
 
+FULL_ONE_GPU = ["collectives", "loader_no_sync", "training", "loader_workers", "compile", "amp_fp16",
+                "loader_bench", "throughput"]
+
+
 def test_on_one_gpu_the_multi_rank_checks_are_listed_as_not_checked_with_their_reason():
     checks, not_checked = gpu_check.plan(1)
-    assert checks == ["collectives", "training", "loader_workers", "compile", "amp_fp16"]
+    assert checks == FULL_ONE_GPU
     assert "resume on fewer GPUs: needs 2 GPUs" in not_checked
     assert any(line.startswith("two nodes (") and line.endswith("needs 2 GPUs") for line in not_checked)
     assert any(line.startswith("collectives over several ranks: needs 2 GPUs") for line in not_checked)
@@ -67,8 +117,7 @@ def test_on_one_gpu_the_multi_rank_checks_are_listed_as_not_checked_with_their_r
 @pytest.mark.parametrize("gpus", [2, 3, 8])
 def test_with_several_gpus_every_check_runs(gpus):
     checks, not_checked = gpu_check.plan(gpus, make_test=True)
-    assert checks == ["collectives", "training", "loader_workers", "compile", "amp_fp16",
-                      "resume_on_fewer_gpus", "two_nodes", "make_test"]
+    assert checks == FULL_ONE_GPU[:6] + ["resume_on_fewer_gpus", "two_nodes"] + FULL_ONE_GPU[6:] + ["make_test"]
     assert not_checked == [gpu_check.SEVERAL_MACHINES]
     assert set(checks) <= set(gpu_check.CHECKS)
 
@@ -231,13 +280,13 @@ def test_when_one_node_fails_the_other_is_stopped_after_a_grace_period(monkeypat
 
 # --- the multi-rank training checks, for real on gloo ranks -------------------------------------------
 
-def forked_torchrun(nproc, script_args, extra=(), timeout=gpu_check.RUN_TIMEOUT):
+def forked_torchrun(nproc, script_args, extra=(), timeout=None, env=None, module="utils.train_cifar10"):
     """gpu_check's one-node torchrun, with each rank forked from a server that imported torch
     once (utils.forkrun: the environment of a torchrun rank): the subject here is what the checks
     run and conclude, not how torchrun starts ranks, which the two nodes still do for real."""
     assert not extra, f"a torchrun option that forkrun does not emulate: {extra}"
-    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    done = forkrun.run("utils.train_cifar10", script_args, nproc=nproc, env=env, timeout=timeout,
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", **(env or {})}
+    done = forkrun.run(module, script_args, nproc=nproc, env=env, timeout=timeout or gpu_check.RUN_TIMEOUT,
                        cwd=gpu_check.ROOT)
     return done.returncode, done.stdout, done.stderr
 
@@ -274,7 +323,18 @@ def fake_processes(differ=None, fail=(), warn=None):
     """Stands in for the torchruns: each writes what the script would (checkpoint, final weights, metrics,
     rank 0's lines). `differ`: {run: how far its final weights are moved}; `fail`: runs that exit 1;
     `warn`: an op that warns in --deterministic runs."""
+    def other(cmd):  # the loader's no-sync check, the loader and step benchmarks, as they report
+        if "-c" in cmd:
+            return 0, json.dumps({"batches": 5, "host_syncs_checked": True, "host_sync_error": None,
+                                  "batches_equal_cpu": True, "passed": True}) + "\n", ""
+        bench = "utils.bench" in cmd
+        with open(cmd[cmd.index("--out" if bench else "--result") + 1], "w") as f:
+            json.dump({"results": [{"method": "pil_dataloader"}]} if bench else {"capstone_over_bare": 0.97}, f)
+        return 0, "a table", ""
+
     def one(cmd, env):
+        if "utils.train_cifar10" not in cmd:
+            return other(cmd)
         launch, args = cmd[:cmd.index("utils.train_cifar10")], cmd[cmd.index("utils.train_cifar10") + 1:]
         nproc = int(next(c for c in launch if c.startswith("--nproc_per_node=")).split("=")[1])
         nodes = 2 if "--nnodes=2" in launch else 1
@@ -321,7 +381,8 @@ def test_the_training_verdict(tmp_path, monkeypatch, differ, fail, passed):
     if not fail:
         assert result["runs"]["uninterrupted"]["nondeterministic_ops"] == ["foo_backward_cuda"]
         assert result["runs"]["speed"]["nondeterministic_ops"] == []  # no --deterministic, no warning
-        assert result["train_images_per_s_last_epoch"] == 1234.5 and result["loaders"] == ["gpu"]
+        assert result["images_per_s_last_epoch_with_sync_bn_and_checkpoints"] == 1234.5
+        assert result["loaders"] == ["gpu"]
         assert result["relative_distance_speed_run_to_deterministic"] == 0.0
 
 
@@ -331,6 +392,7 @@ def pretend_gpus(monkeypatch, count, **fake):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
     monkeypatch.setattr(gpu_check, "_run_processes", fake_processes(**fake))
+    monkeypatch.setattr(gpu_check, "nvidia_smi_gpus", lambda: [f"GPU {i}: NVIDIA Pretend 80GB" for i in range(count)])
     monkeypatch.setattr(gpu_check, "amp_fp16_unavailable", lambda: None)
     monkeypatch.setattr("utils.launch.run_distributed",
                         lambda fn, n, *a, **k: [{"sum_over_ranks": True}] * n)
@@ -346,8 +408,10 @@ def test_the_results_file_on_a_pretend_two_gpu_machine(tmp_path, monkeypatch):
     assert report["not_checked"] == [gpu_check.SEVERAL_MACHINES,
                                      "make test: not asked (--make-test; make gpu-check asks)"]
     checks = report["checks"]
-    assert list(checks) == ["collectives", "training", "loader_workers", "compile", "amp_fp16",
-                            "resume_on_fewer_gpus", "two_nodes", "nondeterministic_ops"]
+    assert list(checks) == ["collectives", "loader_no_sync", "training", "loader_workers", "compile", "amp_fp16",
+                            "resume_on_fewer_gpus", "two_nodes", "loader_bench", "throughput",
+                            "nondeterministic_ops"]
+    assert checks["throughput"]["result"] == {"capstone_over_bare": 0.97} and checks["loader_no_sync"]["passed"]
     assert all(c["passed"] for c in checks.values()), {k: c for k, c in checks.items() if not c["passed"]}
     assert checks["loader_workers"]["loaders"] == ["workers"] and checks["training"]["loaders"] == ["gpu"]
     assert checks["amp_fp16"]["checkpoint_keys"] == ["model", "scaler"]
@@ -368,8 +432,8 @@ def test_on_a_pretend_one_gpu_machine_the_file_says_what_was_not_checked(tmp_pat
     report = json.loads((tmp_path / "gpu_check_nvidia_pretend_80gb.json").read_text())
     assert "resume on fewer GPUs: needs 2 GPUs" in report["not_checked"]
     assert "--compile: --compile on CUDA needs Triton" in report["not_checked"]
-    assert list(report["checks"]) == ["collectives", "training", "loader_workers", "amp_fp16",
-                                      "nondeterministic_ops"]
+    assert list(report["checks"]) == ["collectives", "loader_no_sync", "training", "loader_workers", "amp_fp16",
+                                      "loader_bench", "throughput", "nondeterministic_ops"]
     verdict = report["checks"]["nondeterministic_ops"]
     assert verdict["unexpected"] == ["foo_backward_cuda"] and not verdict["passed"]
     assert verdict["seen"]["foo_backward_cuda"] == [
@@ -403,11 +467,11 @@ def test_a_failing_check_is_recorded_and_the_others_still_run(tmp_path, monkeypa
     monkeypatch.setattr("utils.launch.run_distributed", lambda fn, n, *a, **k: [{"sum_over_ranks": True},
                                                                                  {"sum_over_ranks": False}])
 
-    def broken(nproc, work):
+    def broken(nproc, work, device):
         raise RuntimeError("no Triton kernel for this")
 
     monkeypatch.setitem(gpu_check.CHECKS, "compile", broken)
-    monkeypatch.setitem(gpu_check.CHECKS, "make_test", lambda nproc, work: {"passed": True})
+    monkeypatch.setitem(gpu_check.CHECKS, "make_test", lambda nproc, work, device: {"passed": True})
     assert gpu_check.main(["--out", str(tmp_path), "--make-test"]) == 1
     checks = json.loads((tmp_path / "gpu_check_nvidia_pretend_80gb.json").read_text())["checks"]
     assert checks["collectives"]["passed"] is False
@@ -417,3 +481,19 @@ def test_a_failing_check_is_recorded_and_the_others_still_run(tmp_path, monkeypa
     assert checks["two_nodes"]["relative_distance"] == pytest.approx(1.0)
     assert checks["two_nodes"]["runs"]["node0"]["returncode"] == 0
     assert checks["training"]["passed"] is True and checks["make_test"]["passed"] is True
+
+
+def test_the_tolerance_comes_from_the_run_to_run_noise_measured_here(tmp_path):
+    init = initial_weights("simplecnn")
+    for name, offset in (("uninterrupted", 0.01), ("speed", 0.0101)):  # the training check's pair
+        os.makedirs(tmp_path / name)
+        torch.save({k: v + offset if v.is_floating_point() else v for k, v in init.items()},
+                   tmp_path / name / "model_final.pt")
+    noise = gpu_check.compare_weights(gpu_check.final_weights(str(tmp_path), "speed"),
+                                      gpu_check.final_weights(str(tmp_path), "uninterrupted"),
+                                      "simplecnn")["relative_distance"]
+    limit, source = gpu_check.tolerance(str(tmp_path), "simplecnn")
+    assert 0 < noise and limit == gpu_check.NOISE_FACTOR * noise and "run-to-run noise" in source
+    (tmp_path / "speed" / "model_final.pt").unlink()  # nothing measured: the fixed tolerance, said so
+    limit, source = gpu_check.tolerance(str(tmp_path), "simplecnn")
+    assert limit == gpu_check.RESUME_TOLERANCE and source.startswith("RESUME_TOLERANCE: no run-to-run")

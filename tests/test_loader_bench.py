@@ -131,3 +131,19 @@ def test_cuda_without_a_gpu_is_refused(capsys):
     with pytest.raises(SystemExit):
         main(["--quick", "--device", "cuda"])
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_the_host_batches_of_the_cuda_cases_come_from_a_cifar_folder_as_it_is_loaded(tmp_path):
+    """The CUDA cases' source, built on the CPU: CIFAR's rows viewed as (N, H, W, C) are not contiguous
+    (the first GPU run of the benchmark stopped there: augment_batch refused them)."""
+    from utils.data import write_synthetic_cifar10
+    from utils.loader_bench import cifar10_pil, host_batches
+
+    write_synthetic_cifar10(str(tmp_path), n_train=40, n_test=1, seed=0)
+    pil_set = cifar10_pil(str(tmp_path))
+    assert not pil_set.data.flags["C_CONTIGUOUS"]  # the layout that failed
+    batches = host_batches(pil_set, 16, 32)
+    assert [tuple(x.shape) for x, _ in batches] == [(16, 3, 32, 32)] * 2
+    data = torch.from_numpy(np.ascontiguousarray(pil_set.data))
+    assert torch.equal(batches[1][0], gpu_loader.augment_batch(data, torch.arange(16, 32), 0, 0))
+    assert batches[1][1].tolist() == list(pil_set.targets[16:32])

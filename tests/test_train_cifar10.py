@@ -173,14 +173,16 @@ def test_ranks_killed_after_and_before_init_are_restarted_and_the_run_ends_exact
     assert losses(out) == losses(two_ranks)
 
 
-# torchrun runs this file in place of the script: rank 1 alone receives SIGUSR1 during step 6, as
-# from SLURM's --signal, in the run without --resume
-SIGNALLED_IN_STEP_6 = """
+# torchrun runs this file in place of the script: rank 1 alone receives SIGUSR1 during step 9 (the
+# first of epoch 1: 8 steps an epoch), as from SLURM's --signal, in the run without --resume. The ranks
+# compare their flags every STOP_CHECK_EVERY (10) steps and after an epoch's last step: they stop after
+# step 10, mid-epoch.
+SIGNALLED_IN_STEP_9 = """
 import os, signal
 import utils.train_cifar10 as train
 step = train.train_step
 def train_step(args, job, training, model, x, y):
-    if job.rank == 1 and training.step == 5 and not args.resume:
+    if job.rank == 1 and training.step == 8 and not args.resume:
         os.kill(os.getpid(), signal.SIGUSR1)
     return step(args, job, training, model, x, y)
 if __name__ == "__main__":  # not in DataLoader workers that spawn starts (macOS, Windows)
@@ -193,12 +195,12 @@ def test_a_signal_to_one_rank_stops_every_rank_after_one_agreed_checkpoint_and_t
         data, two_ranks, tmp_path):
     """On main, SIGUSR1 killed rank 1 outright and SIGTERM lost every step since the last checkpoint."""
     script = tmp_path / "signalled.py"
-    script.write_text(SIGNALLED_IN_STEP_6)
+    script.write_text(SIGNALLED_IN_STEP_9)
     out = str(tmp_path / "out")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
            str(script), "--data", data, "--out", out, *COMMON]
     done = hangs.run(cmd, env=ENV, timeout=TIMEOUT)
-    assert done.returncode != 0 and "SIGUSR1: every rank stopped after step 6" in done.stdout, done.stderr[-3000:]
+    assert done.returncode != 0 and "SIGUSR1: every rank stopped after step 10" in done.stdout, done.stderr[-3000:]
     # the signal reached the ranks, not torchrun's agent, which restarted them: on main they trained on
     assert "a restart does not go on" in done.stderr, done.stderr[-3000:]
     assert not os.path.exists(os.path.join(out, "model_final.pt"))
@@ -206,18 +208,18 @@ def test_a_signal_to_one_rank_stops_every_rank_after_one_agreed_checkpoint_and_t
     codes = set(re.findall(r"exitcode\s+: (-?\d+) \(pid", done.stderr))
     assert "75" in codes and codes <= {"75", "-15"}, done.stderr[-3000:]
     with open(os.path.join(out, "preempted.json")) as f:
-        assert {"step": 6, "signal": "SIGUSR1", "torchrun_restart": 0}.items() <= json.load(f).items()
-    assert torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)["step"] == 6
+        assert {"step": 10, "signal": "SIGUSR1", "torchrun_restart": 0}.items() <= json.load(f).items()
+    assert torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)["step"] == 10
     done = ok(hangs.run(cmd + ["--resume"], env=ENV, timeout=TIMEOUT))
-    assert "epoch 0, step 6 of the epoch" in done.stdout
+    assert "epoch 1, step 2 of the epoch" in done.stdout
     assert not os.path.exists(os.path.join(out, "preempted.json"))
     assert max_diff(final_params(two_ranks), final_params(out)) == 0.0
     assert losses(out) == losses(two_ranks)
 
 
-# rank 1 sends SIGTERM to torchrun's agent during step 6, which passes it on to every rank's process
+# rank 1 sends SIGTERM to torchrun's agent during step 9, which passes it on to every rank's process
 # group, DataLoader workers included
-SIGTERM_TO_TORCHRUN = SIGNALLED_IN_STEP_6.replace("os.kill(os.getpid(), signal.SIGUSR1)",
+SIGTERM_TO_TORCHRUN = SIGNALLED_IN_STEP_9.replace("os.kill(os.getpid(), signal.SIGUSR1)",
                                                   "os.kill(os.getppid(), signal.SIGTERM)")
 
 
@@ -233,7 +235,7 @@ def test_a_sigterm_to_torchrun_with_dataloader_workers_stops_at_an_agreed_checkp
     done = hangs.run(cmd, env=ENV, timeout=TIMEOUT)
     assert done.returncode != 0 and "SIGTERM: every rank stopped after step" in done.stdout, done.stderr[-3000:]
     with open(os.path.join(out, "preempted.json")) as f:
-        stopped = json.load(f)["step"]  # the agent's signal arrives when it arrives: step 6 or later
+        stopped = json.load(f)["step"]  # the agent's signal arrives when it arrives: step 10 or 16
     assert torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)["step"] == stopped
     ok(hangs.run(cmd + ["--resume"], env=ENV, timeout=TIMEOUT))
     assert max_diff(final_params(two_ranks), final_params(out)) == 0.0
@@ -645,3 +647,36 @@ def test_log_every_below_one_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--log-every", "0"])
     assert "--log-every must be at least 1, got 0" in capsys.readouterr().err
+
+
+def one_step(model, seed_before, step=5, tmp="unused"):
+    """The script's train_step at global step `step` on one process, after torch's generator was left
+    at `seed_before` (another history): the loss, and the Training record."""
+    import utils.train_cifar10 as script
+
+    args = script.parse_args(["--device", "cpu", "--global-batch", "4"])
+    job = script.Job(False, 0, 0, 1, torch.device("cpu"), 4, False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    training = script.Training(model, optimizer, script.one_cycle(optimizer, 0.1, 100), tmp, {}, step=step,
+                               scaler=script.grad_scaler(False))
+    x, y = torch.ones(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    torch.manual_seed(seed_before)
+    return float(script.train_step(args, job, training, model, x, y)), training
+
+
+def test_a_step_reseeds_only_where_the_model_draws_random_numbers_and_stays_exact():
+    """The per-step reseed (two NumPy SeedSequences, every step) was paid by models that draw nothing; it
+    stays where one does (dropout), so that a resumed step draws what the uninterrupted one drew."""
+    from torch import nn
+
+    from utils.train_cifar10 import make_model
+
+    def dropout_model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Flatten(), nn.Dropout(0.5), nn.Linear(3 * 32 * 32, 10))
+
+    (a, first), (b, _) = one_step(dropout_model(), 1), one_step(dropout_model(), 2)
+    assert first.reseed is True and a == b  # the same draws whatever came before
+    torch.manual_seed(0)
+    _, plain = one_step(make_model("simplecnn"), 1)
+    assert plain.reseed is False  # nothing drew: no reseed from the next step on

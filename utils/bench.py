@@ -20,6 +20,7 @@ import time
 import torch
 from torch.utils.data import BatchSampler, DistributedSampler
 
+from . import results
 from .samplers import PermutationShardSampler, ShardSampler
 
 __all__ = ["bench_sampler", "bench_samplers", "bench_ddp", "bench_restart",
@@ -395,15 +396,21 @@ def bench_restart(runs: int = 5) -> dict:
             "script": RESTART_DEMO.strip(), "results": counts}
 
 
-def save_result(result: dict, path: str) -> None:
-    """Write ``result`` as JSON to ``path`` through a temporary file (never half a
-    file), and say so."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(tmp, path)
-    print(f"saved {path}")
+# what each benchmark's figures depend on (utils.results records their hashes): the
+# code it measures and this file, which runs it
+SOURCES = {"sampler": ["utils/samplers.py", "utils/bench.py::bench_sampler",
+                       "utils/bench.py::_time_once"],
+           "samplers": ["utils/samplers.py", "utils/bench.py::bench_samplers",
+                        "utils/bench.py::_sampler_case",
+                        "utils/bench.py::_make_sampler",
+                        "utils/bench.py::_LOOPS", "utils/bench.py::_plain_loop",
+                        "utils/bench.py::_count_loop", "utils/bench.py::_METHOD",
+                        "utils/bench.py::_batch_sampler_loop",
+                        "utils/bench.py::_index_batches_loop"],
+           "ddp": ["utils/ddp.py", "utils/launch.py", "utils/bench.py::bench_ddp",
+                   "utils/bench.py::_ddp_step_times", "utils/bench.py::_ddp_wrappers",
+                   "utils/bench.py::_torch_ddp_buckets"],
+           "restart": ["utils/bench.py::RESTART_DEMO", "utils/bench.py::bench_restart"]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -458,7 +465,7 @@ def main(argv: list[str] | None = None) -> None:
     result["command"] = "python -m utils.bench " + " ".join(argv)
     result["date"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     if args.out:
-        save_result(result, args.out)
+        results.write(args.out, result, SOURCES[args.what])
 
 
 if __name__ == "__main__":

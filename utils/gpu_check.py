@@ -1,47 +1,60 @@
 """`make gpu-check`: the CUDA paths of the book, checked on every local GPU, with a
 results file.
 
-    python -m utils.gpu_check                # the checks below, then the results file
+    python -m utils.gpu_check --quick        # the checks worth most: 3 min on an H100
+    python -m utils.gpu_check                # the full profile
     python -m utils.gpu_check --make-test    # ... and `make test` on this machine too
+    python -m utils.gpu_check --quick --dry-run    # the plan and its timings only
+    python -m utils.gpu_check --quick --rehearse   # the same plan on this CPU
 
-On a machine with CUDA it runs, and records in ``book/results/gpu_check_<gpu>.json``
-(hardware, driver, torch, CUDA, cuDNN and NCCL versions, the command, the date, every
-check's result, and ``not_checked``: what this machine could not check, and why):
+It runs as it is, from a clone of the book, with the Python and torch (2.4 or later)
+already on a CUDA machine: no ``.venv``, no network (``make gpu-check`` uses ``.venv``).
+Without a GPU it exits 1 and says so (``--allow-no-gpu``: exit 0); where ``nvidia-smi``
+lists GPUs that torch cannot use (a driver older than torch's CUDA, a container started
+without its GPUs), it exits 1 and says that. Results go to
+``book/results/gpu_check_[quick_]<gpu>.json``: hardware, driver, torch, CUDA, cuDNN and
+NCCL versions, the command, the date, every check's result and seconds, and
+``not_checked``: what this machine could not check, and why.
+
+``--quick``, in order of what each is worth (``QUICK``; one process stops at
+``QUICK_RUN_TIMEOUT``):
 
 1. ``collectives``: ``sum_over_ranks``, ``gather_by_index``, ``NaiveDDP``,
    ``BucketedDDP`` (several buckets) and ``utils.ddp.SyncBatchNorm`` on CUDA tensors
    under ``nccl``, one rank per GPU, each compared with the same computation done on
    one process;
-2. ``training``: ``utils.train_cifar10`` under ``torchrun`` on all GPUs with ``nccl``,
-   ResNet-18, ``--amp``, ``--sync-bn`` and checkpoints (synthetic data, 2 epochs of 40
-   steps), once uninterrupted and once with a rank killed mid-epoch and restarted by
-   ``torchrun --max-restarts=1``; with ``--deterministic`` (deterministic algorithms,
-   ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, DDP buckets that stay fixed) the two must end
-   bit-identical; plus images/s of a third run without ``--deterministic``;
-3. ``loader_workers``: the same pair with ``--loader workers`` (``--loader auto``
-   takes the GPU loader for this small set): DataLoader workers, pinned memory;
-4. ``compile``: a ``--compile`` run (recorded as not checked where ``torch.compile``
-   cannot work here: no Triton, an unsupported Python);
-5. ``amp_fp16``: the pair with ``--amp fp16``, whose gradient scaler the checkpoints
-   must hold for the restart to end bit-identical (where the script has the option);
-6. ``resume_on_fewer_gpus`` (2 GPUs or more): a run stopped mid-epoch on all GPUs,
-   resumed on fewer; another order of the gradient sums, so it is compared with the
-   uninterrupted run within a tolerance (``RESUME_TOLERANCE``), not bit for bit;
-7. ``two_nodes`` (2 GPUs or more): two torchruns as two nodes of one job, the GPUs
-   split between them with ``CUDA_VISIBLE_DEVICES``, static rendezvous on 127.0.0.1
-   (``--node-rank`` 0 and 1), each node with its own data and output folders; compared
-   with the uninterrupted run within the same tolerance;
-8. ``nondeterministic_ops``: every op that warned it has no deterministic kernel in a
-   ``--deterministic`` run, by run; the check fails on any op not in
-   ``ALLOWED_NONDETERMINISTIC_OPS`` (each allowed op with the reason it is tolerated);
-9. ``make test`` (with ``--make-test``).
+2. ``loader_no_sync``: the GPU loader's batches equal its CPU batches, and no epoch
+   and no public augmentation function makes the host wait for the GPU
+   (``torch.cuda.set_sync_debug_mode("error")``);
+3. ``capstone``: ``utils.train_cifar10`` under ``torchrun`` on all GPUs (ResNet-18,
+   synthetic data, 2 epochs of 40 steps, no SyncBN) in float32, and with bf16 autocast
+   once uninterrupted and once with a rank killed mid-epoch and restarted by
+   ``torchrun --max-restarts=1``: with ``--deterministic`` the two must end
+   bit-identical;
+4. ``loader_bench``: ``python -m utils.bench loader --quick`` on the GPU (chapter 12's
+   loaders, the GPU-resident one among them);
+5. ``throughput``: ``utils.step_bench``: the script's own epoch loop against a bare
+   DDP loop in the same processes, over the same batches (no SyncBN, no mid-epoch
+   checkpoint).
 
-On one GPU nothing runs over several ranks, and ``not_checked`` says so, check by
-check. Two torchruns on one machine are not two machines: nccl may join them as it
-joins GPUs of one node, and that is also listed. It exits 1 if a check fails. Without
-CUDA it says so and exits 0: there is nothing to check. The collective checks are plain
-functions, also run on the CPU with gloo by ``tests/test_gpu_check.py``, and so are
-the multi-rank training checks (``device="cpu"``: a small CNN on gloo ranks).
+The full profile adds, on the same runs' settings with SyncBN: ``training`` (the
+restart pair with ``--sync-bn`` and checkpoints, and a run without
+``--deterministic``), ``loader_workers`` (the pair with ``--loader workers``:
+DataLoader workers, pinned memory), ``compile`` (a ``--compile`` run, not checked where
+``torch.compile`` cannot work: no Triton, C compiler or ``Python.h``, an unsupported
+Python), ``amp_fp16`` (the pair with ``--amp fp16``, whose gradient scaler the
+checkpoint must hold), and on 2 GPUs or more ``resume_on_fewer_gpus`` (stopped on all
+GPUs, resumed on fewer: compared within ``tolerance``) and ``two_nodes`` (two
+torchruns as two nodes, static rendezvous on 127.0.0.1, the GPUs split with
+``CUDA_VISIBLE_DEVICES``). Every check: ``nondeterministic_ops``, each op that warned
+it has no deterministic kernel in a ``--deterministic`` run (any op not in
+``ALLOWED_NONDETERMINISTIC_OPS`` fails); ``--deterministic`` pairs pin NCCL's algorithm
+(``pinned_nccl``).
+
+On one GPU nothing runs over several ranks, and ``not_checked`` says so. It exits 1 if
+a check fails. The checks are plain functions that also run on the CPU with gloo
+(``device="cpu"``: a small CNN): ``--rehearse`` runs the chosen plan so, with the same
+timeouts, and ``tests/test_gpu_check.py`` runs it.
 """
 
 from __future__ import annotations
@@ -65,19 +78,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import results
 from .hangs import kill_tree, python_stacks
 from .launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# what the checks run (utils.results records their hashes in the results file)
+SOURCES = ["utils/gpu_check.py", "utils/train_cifar10.py", "utils/gpu_loader.py",
+           "utils/step_bench.py", "utils/loader_bench.py", "utils/ddp.py",
+           "utils/metrics.py", "utils/launch.py", "utils/samplers.py",
+           "utils/workers.py"]
 RUN_TIMEOUT = 600  # seconds for one torchrun (the runs take well under a minute)
 FAILED_NODE_GRACE = 60  # seconds a node may run on after the other one failed
 # relative_distance below which a run resumed on fewer GPUs, or run as two nodes,
 # counts as the same training as the uninterrupted run: summing in another order ends
 # ~1e-3 away on the CPU (tests/test_train_cifar10.py), a run that sees other
-# augmentations of the same images ~0.9 away. Not yet calibrated on a GPU (bf16): the
-# file records each distance, and the distance between two runs that differ only by
-# --deterministic (the run-to-run noise of the nondeterministic kernels).
+# augmentations of the same images ~0.9 away. Used where no run-to-run noise was
+# measured (``tolerance``): on a GPU the full profile measures it (the distance between
+# two runs that differ only by --deterministic, the noise of the kernels without fixed
+# bits) and allows NOISE_FACTOR times that.
 RESUME_TOLERANCE = 0.05
+NOISE_FACTOR = 4
 # ops that may warn "... does not have a deterministic implementation" in a
 # --deterministic run without failing the check: {op name: why it is tolerated}.
 # Empty: no op is known to need it (the script replaced AdaptiveAvgPool2d, whose CUDA
@@ -142,23 +163,82 @@ def collective_checks(device_type: str) -> dict[str, bool]:
     return results
 
 
-def collectives_check(nproc: int, work: str) -> dict:
-    """``collective_checks`` on one nccl rank per GPU."""
+def collectives_check(nproc: int, work: str, device: str = "cuda") -> dict:
+    """``collective_checks`` on one nccl rank per GPU (``device="cpu"``: gloo ranks)."""
     from .launch import run_distributed
 
-    per_rank = run_distributed(collective_checks, nproc, "cuda", backend="nccl",
-                               device="cuda", timeout=600)
-    return {"per_rank": per_rank, "passed": all(all(r.values()) for r in per_rank)}
+    per_rank = run_distributed(collective_checks, nproc, device,
+                               backend="nccl" if device == "cuda" else "gloo",
+                               device=device, timeout=RUN_TIMEOUT)
+    return {"backend": "nccl" if device == "cuda" else "gloo", "per_rank": per_rank,
+            "passed": len(per_rank) == nproc and all(all(r.values()) for r in per_rank)}
+
+
+def loader_sync(device: str) -> dict:
+    """The GPU loader on ``device``: its batches equal the same loader's on the CPU,
+    and on CUDA neither an epoch nor any public augmentation function makes the host
+    wait for the GPU (``torch.cuda.set_sync_debug_mode("error")`` turns any such wait
+    into an error). Run in a process of its own (``loader_sync_check``)."""
+    from .gpu_loader import GPULoader, augment_batch, augment_draws, reference_augment
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (75, 32, 32, 3), dtype=torch.uint8, generator=g)
+    labels = torch.arange(75)  # label = index
+    cpu = GPULoader(data, labels, 16, seed=1, channels_last=True)
+    on = GPULoader(data, labels, 16, seed=1, channels_last=True, device=device)
+    cpu.set_epoch(2)
+    on.set_epoch(2)
+    cuda = torch.device(device).type == "cuda"
+    images, index = data.to(device), torch.arange(5, device=device)
+    augment_batch(images, index, 0, 0)  # the first call makes the constants: a copy
+    error = None
+    if cuda:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = [(x, y) for x, y in on]
+        for dtype in (torch.float32, torch.bfloat16):  # every public function
+            augment_batch(images, index, 0, 0, keys=index, dtype=dtype)
+            augment_draws(0, 0, index)
+        augment_batch(images, torch.arange(5), 0, 0)  # CPU indices: a pinned copy
+        reference_augment(images[0], 0, 0, 0)
+    except RuntimeError as exc:  # "called a synchronizing CUDA operation"
+        error, got = f"{type(exc).__name__}: {exc}"[:2000], []
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
+    expected = [(x.clone(), y.clone()) for x, y in cpu]
+    equal = len(got) == len(expected) > 0 and all(
+        torch.equal(y, gy.cpu()) and torch.allclose(x, gx.cpu(), atol=1e-6, rtol=0)
+        for (x, y), (gx, gy) in zip(expected, got))
+    return {"device": device, "batches": len(got), "host_syncs_checked": cuda,
+            "host_sync_error": error, "batches_equal_cpu": equal,
+            # the CPU normalises by arithmetic, a GPU by the table: the same bits?
+            "bit_identical_cpu": equal and all(
+                torch.equal(x, gx.cpu()) for (x, _), (gx, _) in zip(expected, got)),
+            "passed": equal and error is None}
+
+
+def loader_sync_check(nproc: int, work: str, device: str = "cuda") -> dict:
+    """``loader_sync`` in a fresh process (the GPU set up there, not in this one)."""
+    code = ("import json, sys; from utils.gpu_check import loader_sync; "
+            "print(json.dumps(loader_sync(sys.argv[1])))")
+    returncode, stdout, stderr = _run_processes(
+        [([sys.executable, "-c", code, device], {})])[0]
+    lines = stdout.strip().splitlines()
+    result = json.loads(lines[-1]) if returncode == 0 and lines else {"passed": False}
+    return {**result, "returncode": returncode,
+            "stderr_tail": stderr[-1500:] if returncode else ""}
 
 
 # --- 2. torchrun: command lines and processes -----------------------------------------
 
 def torchrun_command(nproc: int, script_args: list[str],
-                     launch: list[str] = ("--standalone",)) -> list[str]:
-    """The torchrun command line of ``utils.train_cifar10``; ``launch``: torchrun's
-    options besides ``--nproc_per_node``."""
+                     launch: list[str] = ("--standalone",),
+                     module: str = "utils.train_cifar10") -> list[str]:
+    """The torchrun command line of ``module`` (the training script); ``launch``:
+    torchrun's options besides ``--nproc_per_node``."""
     return [sys.executable, "-m", "torch.distributed.run", *launch,
-            f"--nproc_per_node={nproc}", "-m", "utils.train_cifar10", *script_args]
+            f"--nproc_per_node={nproc}", "-m", module, *script_args]
 
 
 def visible_devices(env: dict, count: int) -> list[str]:
@@ -203,7 +283,7 @@ def two_node_launches(devices: list[str], per_node: int, port: int,
 
 
 def _run_processes(launches: list[tuple[list[str], dict]],
-                   timeout: float = RUN_TIMEOUT) -> list[tuple[int, str, str]]:
+                   timeout: float | None = None) -> list[tuple[int, str, str]]:
     """Start every ``(command, environment)`` at once and wait for all:
     ``(returncode, stdout, stderr)`` each. At the timeout, or ``FAILED_NODE_GRACE``
     seconds after one of them failed (a node whose partner died waits for it), each
@@ -211,6 +291,7 @@ def _run_processes(launches: list[tuple[list[str], dict]],
     workers: nothing keeps the GPUs). Output goes to files: a pipe left unread while
     another process is waited for could fill and stall a node that the other one
     waits for."""
+    timeout = RUN_TIMEOUT if timeout is None else timeout
     files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))
              for _ in launches]
     procs, killed = [], {}
@@ -218,7 +299,11 @@ def _run_processes(launches: list[tuple[list[str], dict]],
         for (cmd, env), (out, err) in zip(launches, files):
             procs.append(subprocess.Popen(
                 cmd, stdout=out, stderr=err, text=True, cwd=ROOT,
-                env={**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", **env}))
+                env={**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+                     # utils importable wherever it runs: no install needed
+                     "PYTHONPATH": os.pathsep.join(
+                         [ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]),
+                     **env}))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             if any(p.poll() for p in procs):  # one failed: the others would wait for
@@ -242,11 +327,22 @@ def _run_processes(launches: list[tuple[list[str], dict]],
 
 
 def _torchrun(nproc: int, script_args: list[str], extra: list[str] = (),
-              timeout: float = RUN_TIMEOUT) -> tuple[int, str, str]:
-    """One torchrun of the script on this node (``--standalone``); ``extra``: more
-    torchrun options."""
-    command = torchrun_command(nproc, script_args, ["--standalone", *extra])
-    return _run_processes([(command, {})], timeout)[0]
+              timeout: float | None = None, env: dict | None = None,
+              module: str = "utils.train_cifar10") -> tuple[int, str, str]:
+    """One torchrun of ``module`` on this node (``--standalone``); ``extra``: more
+    torchrun options; ``env``: more environment."""
+    command = torchrun_command(nproc, script_args, ["--standalone", *extra], module)
+    return _run_processes([(command, env or {})], timeout)[0]
+
+
+def pinned_nccl(args: list[str]) -> dict:
+    """The environment of a ``--deterministic`` run: NCCL's algorithm and protocol
+    pinned (Ring, Simple), so that two runs sum gradients in the same order whatever
+    NCCL's tuner would pick; a value already set here is kept. ``{}`` otherwise."""
+    if "--deterministic" not in args:
+        return {}
+    return {"NCCL_ALGO": os.environ.get("NCCL_ALGO", "Ring"),
+            "NCCL_PROTO": os.environ.get("NCCL_PROTO", "Simple")}
 
 
 # --- 3. runs, their records and their weights -----------------------------------------
@@ -279,18 +375,26 @@ def _with(args: list[str], flag: str, value: str) -> list[str]:
     return args[:i + 1] + [value] + args[i + 1 + (not bare):]
 
 
-def common_args(nproc: int, work: str, device: str = "cuda") -> list[str]:
+def _without(args: list[str], flag: str) -> list[str]:
+    """``args`` without ``flag`` and its value."""
+    i = args.index(flag)
+    return args[:i] + args[i + 2:]
+
+
+def common_args(nproc: int, work: str, device: str = "cuda",
+                sync_bn: bool = True) -> list[str]:
     """The script's arguments shared by every run on ``nproc`` GPUs: ResNet-18, bf16
-    autocast, SyncBatchNorm, synthetic data, 2 epochs of 40 steps of 128 images per
-    GPU. ``device="cpu"``: a small CNN on gloo ranks, 2 epochs of 8 steps of 32 images
-    per rank (the tests)."""
+    autocast, SyncBatchNorm (unless ``sync_bn=False``), synthetic data, 2 epochs of 40
+    steps of 128 images per GPU. ``device="cpu"``: a small CNN on gloo ranks, 2 epochs
+    of 8 steps of 32 images per rank (the tests, ``--rehearse``)."""
     cuda = device == "cuda"
     per_rank, steps = (128, 40) if cuda else (32, 8)
     global_batch = per_rank * nproc  # splits evenly over any number of GPUs
     return ["--data", os.path.join(work, "data"), "--synthetic", "--synthetic-size",
             str(steps * global_batch), "2048" if cuda else "256",
             "--model", "resnet18" if cuda else "simplecnn",
-            *(["--amp", "--sync-bn"] if cuda else []), "--epochs", "2",
+            *(["--amp"] if cuda else []), *(["--sync-bn"] if cuda and sync_bn else []),
+            "--epochs", "2",
             "--global-batch", str(global_batch), "--workers", "4" if cuda else "0",
             "--no-progress", "--checkpoint-every", str(steps // 4), "--device", device]
 
@@ -320,6 +424,8 @@ def run_record(args: list[str], code: int, stdout: str, stderr: str,
               "nondeterministic_ops": nondeterministic_ops(stderr),
               "stdout_tail": stdout[-1500:],
               "stderr_tail": stderr[-1500:] if code else ""}
+    if pinned_nccl(args):
+        record["nccl_pinned"] = pinned_nccl(args)
     metrics = os.path.join(out, "metrics.jsonl")
     if os.path.exists(metrics):
         with open(metrics) as f:
@@ -332,7 +438,8 @@ def _train(work: str, name: str, args: list[str], nproc: int,
     """One torchrun of the script with its output in ``work/name``; its record."""
     out = os.path.join(work, name)
     t0 = time.perf_counter()
-    code, stdout, stderr = _torchrun(nproc, args + ["--out", out], extra)
+    code, stdout, stderr = _torchrun(nproc, args + ["--out", out], extra,
+                                     env=pinned_nccl(args))
     return run_record(args, code, stdout, stderr, time.perf_counter() - t0, out)
 
 
@@ -418,7 +525,9 @@ def training_checks(nproc: int, work: str, device: str = "cuda") -> dict:
             **result, "loaders": _loaders(result["runs"]),
             # how far kernels without fixed bits move the weights (no --deterministic)
             "relative_distance_speed_run_to_deterministic": noise,
-            "train_images_per_s_last_epoch":
+            # not the speed of training: SyncBN's syncs and checkpoints are in it
+            # (the throughput check measures that)
+            "images_per_s_last_epoch_with_sync_bn_and_checkpoints":
                 (speed.get("metrics") or [{}])[-1].get("images_per_s"),
             "passed": result["passed"] and speed["returncode"] == 0}
 
@@ -463,6 +572,72 @@ def compile_check(nproc: int, work: str, device: str = "cuda") -> dict:
                        and any("compile: yes" in line for line in run["setup"]))}
 
 
+def capstone_check(nproc: int, work: str, device: str = "cuda") -> dict:
+    """The quick profile's training check: the script on all GPUs without SyncBN, once
+    in float32 (no ``--amp``) and as the restart pair with bf16 autocast
+    (``--deterministic``): a rank killed mid-epoch, restarted by torchrun, must end
+    bit-identical to the uninterrupted run."""
+    amp = common_args(nproc, work, device, sync_bn=False)
+    fp32 = [a for a in amp if a != "--amp"]  # on the CPU there is no --amp: the same
+    result = restart_pair(work, amp + ["--deterministic"], nproc, "amp_")
+    run = result["runs"]["fp32"] = _train(work, "fp32", fp32, nproc)
+    epochs = int(_arg(amp, "--epochs"))
+    return {"command": " ".join(torchrun_command(nproc, amp)[1:]).replace(
+                "-m torch.distributed.run", "torchrun"),
+            **result, "amp": "bf16" if "--amp" in amp else None,
+            "loaders": _loaders(result["runs"]),
+            "fp32_finished": _finished(run, epochs),
+            "passed": result["passed"] and _finished(run, epochs)}
+
+
+LOADER_BENCH_CPU = ["--workers", "0", "--n-train", "1024", "--pass-images", "512",
+                    "--repeats", "1"]  # --rehearse: the quick benchmark, smaller
+
+
+def loader_bench_check(nproc: int, work: str, device: str = "cuda") -> dict:
+    """``python -m utils.bench loader --quick`` on ``device``: every loader of chapter
+    12 timed in one run; the whole result is kept."""
+    path = os.path.join(work, "loader_bench.json")
+    command = [sys.executable, "-m", "utils.bench", "loader", "--quick", "--device",
+               device, "--out", path, *(LOADER_BENCH_CPU if device == "cpu" else [])]
+    returncode, stdout, stderr = _run_processes([(command, {})])[0]
+    result = None
+    if returncode == 0 and os.path.exists(path):
+        with open(path) as f:
+            result = json.load(f)
+    return {"command": " ".join(["python", *command[1:-len(LOADER_BENCH_CPU)]]
+                                if device == "cpu" else ["python", *command[1:]]),
+            "returncode": returncode, "table": stdout[-4000:],
+            "stderr_tail": stderr[-1500:] if returncode else "", "result": result,
+            "passed": bool(returncode == 0 and result and result.get("results"))}
+
+
+def throughput_check(nproc: int, work: str, device: str = "cuda") -> dict:
+    """``utils.step_bench`` on all GPUs: the script's own epoch loop against a bare DDP
+    loop in the same processes, over the same batches, without SyncBN and without
+    mid-epoch checkpoints (ResNet-18, bf16 autocast, 128 images per GPU, 60 steps an
+    epoch, 5 timed epochs of each)."""
+    args = common_args(nproc, work, device, sync_bn=False)
+    args = _without(_without(args, "--epochs"), "--checkpoint-every")  # set there, off
+    steps = 60 if device == "cuda" else 8
+    args = _with(args, "--synthetic-size",
+                 str(steps * int(_arg(args, "--global-batch"))))
+    args = _with(args, "--data", os.path.join(work, "bench_data"))
+    args += ["--out", os.path.join(work, "bench_out")]
+    path = os.path.join(work, "step_bench.json")
+    t0 = time.perf_counter()
+    returncode, stdout, stderr = _torchrun(nproc, args + ["--result", path],
+                                           module="utils.step_bench")
+    result = None
+    if returncode == 0 and os.path.exists(path):
+        with open(path) as f:
+            result = json.load(f)
+    return {"seconds": round(time.perf_counter() - t0, 1), "result": result,
+            "returncode": returncode,
+            "stderr_tail": stderr[-1500:] if returncode else "",
+            "passed": bool(returncode == 0 and result)}
+
+
 def _reference(work: str, args: list[str], nproc: int, runs: dict) -> dict | None:
     """The final weights of the uninterrupted ``--deterministic`` run on all GPUs: the
     training check's if it ran in ``work``, else run now and added to ``runs``."""
@@ -476,14 +651,34 @@ def _reference_name(runs: dict) -> str:
             else "uninterrupted, from an earlier check (training)")
 
 
-def _close_to(reference: dict | None, weights: dict | None, model: str) -> dict:
+def tolerance(work: str, model: str) -> tuple[float, str]:
+    """``(tolerance, where it comes from)`` for a run that sums in another order than
+    the reference: ``NOISE_FACTOR`` times this machine's run-to-run noise (the distance
+    between the training check's ``speed`` run and its ``--deterministic`` one, the
+    same training but for kernels without fixed bits), where that was measured in
+    ``work``; else ``RESUME_TOLERANCE``, not calibrated."""
+    speed, deterministic = final_weights(work, "speed"), final_weights(work,
+                                                                      "uninterrupted")
+    if speed is not None and deterministic is not None:
+        noise = compare_weights(speed, deterministic, model)["relative_distance"]
+        if noise > 0:
+            return (NOISE_FACTOR * noise,
+                    f"{NOISE_FACTOR} x the run-to-run noise measured here "
+                    f"({noise:.3g})")
+    return RESUME_TOLERANCE, "RESUME_TOLERANCE: no run-to-run noise measured here"
+
+
+def _close_to(reference: dict | None, weights: dict | None, model: str,
+              work: str) -> dict:
     """The comparison with the reference run, and whether it is within
-    ``RESUME_TOLERANCE``."""
+    ``tolerance``."""
+    limit, source = tolerance(work, model)
     if reference is None or weights is None:
-        return {"within_tolerance": False, "tolerance": RESUME_TOLERANCE}
+        return {"within_tolerance": False, "tolerance": limit,
+                "tolerance_from": source}
     compared = compare_weights(reference, weights, model)
-    return {**compared, "tolerance": RESUME_TOLERANCE,
-            "within_tolerance": compared["relative_distance"] < RESUME_TOLERANCE}
+    return {**compared, "tolerance": limit, "tolerance_from": source,
+            "within_tolerance": compared["relative_distance"] < limit}
 
 
 def fewer_gpus_check(nproc: int, work: str, device: str = "cuda") -> dict:
@@ -505,7 +700,8 @@ def fewer_gpus_check(nproc: int, work: str, device: str = "cuda") -> dict:
     split = f"global batch {_arg(common, '--global-batch')} = "
     split += f"{int(_arg(common, '--global-batch')) // fewer} x {fewer}"
     on_fewer = any(split in line for line in done["setup"])
-    close = _close_to(reference, final_weights(work, resumed), _arg(common, "--model"))
+    close = _close_to(reference, final_weights(work, resumed), _arg(common, "--model"),
+                      work)
     return {"gpus": [nproc, fewer], "runs": runs,
             "reference_run": _reference_name(runs),
             "resumed": done["resumed"], "ran_on_fewer": on_fewer, **close,
@@ -525,8 +721,9 @@ def two_nodes_check(nproc: int, work: str, device: str = "cuda") -> dict:
     folders = [os.path.join(work, "two_nodes", f"node{n}") for n in (0, 1)]
     node_args = [_with(common, "--data", os.path.join(f, "data"))
                  + ["--out", os.path.join(f, "out")] for f in folders]
-    launches = two_node_launches(visible_devices(os.environ, nproc), per_node,
-                                 free_port(), node_args)
+    launches = [(cmd, {**env, **pinned_nccl(common)}) for cmd, env in
+                two_node_launches(visible_devices(os.environ, nproc), per_node,
+                                  free_port(), node_args)]
     t0 = time.perf_counter()
     results = _run_processes(launches)
     seconds = time.perf_counter() - t0
@@ -536,7 +733,7 @@ def two_nodes_check(nproc: int, work: str, device: str = "cuda") -> dict:
     nodes = [runs["node0"], runs["node1"]]
     world = {m.get("world_size") for m in runs["node0"].get("metrics", [])}
     close = _close_to(reference, final_weights(folders[0], "out"),
-                      _arg(common, "--model"))
+                      _arg(common, "--model"), work)
     return {"gpus_per_node": per_node, "world_size": 2 * per_node,
             "cuda_visible_devices": [env["CUDA_VISIBLE_DEVICES"]
                                      for _, env in launches],
@@ -572,13 +769,9 @@ def nondeterminism_verdict(checks: dict, allowed: dict[str, str] | None = None) 
 def compile_unavailable() -> str | None:
     """Why ``--compile`` cannot run on CUDA here (the script's own refusal: no Triton,
     an unsupported Python), or ``None``."""
-    from .train_cifar10 import check_compile
+    from .devices import compile_problem
 
-    try:
-        check_compile(torch.device("cuda"))
-    except SystemExit as exc:
-        return str(exc).removeprefix("error: ")
-    return None
+    return compile_problem(torch.device("cuda"))
 
 
 def amp_fp16_unavailable() -> str | None:
@@ -606,14 +799,37 @@ ONE_GPU = {
     "two_nodes": "two nodes (two torchruns, static rendezvous on 127.0.0.1, the GPUs "
                  "split with CUDA_VISIBLE_DEVICES): needs 2 GPUs",
 }
+# --quick: the checks in order of what they are worth, within QUICK_MINUTES on one GPU
+QUICK = ["collectives", "loader_no_sync", "capstone", "loader_bench", "throughput"]
+QUICK_MINUTES = 6
+QUICK_RUN_TIMEOUT = 150  # seconds for one process of --quick (and of --rehearse)
+QUICK_LEAVES = ("--quick leaves to the full profile: SyncBatchNorm, DataLoader workers "
+                "feeding the GPUs, --compile, --amp fp16, resume on fewer GPUs, two "
+                "nodes, make test")
+# seconds each check takes on one GPU, as --dry-run states them: {check: (seconds,
+# where that figure comes from)}. Measured: the first --quick on one H100 (its
+# check_seconds, rounded up; 178 s in all); the run now in book/results/gpu_check_quick_
+# nvidia_h100_80gb_hbm3.json, of the loader and loop as they are now, took 149 s.
+H100 = "measured, 1 x H100 80GB, 2026-11-26"
+STATED_SECONDS = {
+    "collectives": (15, H100), "loader_no_sync": (7, H100), "capstone": (105, H100),
+    "loader_bench": (20, H100), "throughput": (40, H100),
+    "training": (110, "estimate"), "loader_workers": (80, "estimate"),
+    "compile": (90, "estimate"), "amp_fp16": (80, "estimate"),
+    "resume_on_fewer_gpus": (60, "estimate"), "two_nodes": (40, "estimate"),
+    "make_test": (1800, "estimate"),
+}
 
 
 def plan(gpus: int, compile_reason: str | None = None,
-         fp16_reason: str | None = None,
-         make_test: bool = False) -> tuple[list[str], list[str]]:
-    """``(checks, not_checked)``: the checks to run on ``gpus`` GPUs, in order, and
-    what is not checked here, each with its reason."""
-    checks = ["collectives", "training", "loader_workers"]
+         fp16_reason: str | None = None, make_test: bool = False,
+         profile: str = "full") -> tuple[list[str], list[str]]:
+    """``(checks, not_checked)``: the checks of ``profile`` ("quick" or "full") to run
+    on ``gpus`` GPUs, in order, and what is not checked here, each with its reason."""
+    if profile == "quick":
+        one_gpu = ([ONE_GPU["collectives"], ONE_GPU["training"]] if gpus < 2 else [])
+        return list(QUICK), [SEVERAL_MACHINES, QUICK_LEAVES, *one_gpu]
+    checks = ["collectives", "loader_no_sync", "training", "loader_workers"]
     not_checked = [SEVERAL_MACHINES]
     for name, reason in (("compile", compile_reason), ("amp_fp16", fp16_reason)):
         if reason is None:
@@ -625,11 +841,60 @@ def plan(gpus: int, compile_reason: str | None = None,
         checks += ["resume_on_fewer_gpus", "two_nodes"]
     else:
         not_checked += list(ONE_GPU.values())
+    checks += ["loader_bench", "throughput"]
     if make_test:
         checks.append("make_test")
     else:
         not_checked.append("make test: not asked (--make-test; make gpu-check asks)")
     return checks, not_checked
+
+
+def nvidia_smi_gpus() -> list[str]:
+    """The GPUs ``nvidia-smi -L`` lists (none where it is missing or fails)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        done = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in done.stdout.splitlines()
+            if line.startswith("GPU ")]
+
+
+def gpu_problem(listed: list[str], env, available: bool, count: int) -> str | None:
+    """Why the GPUs here cannot be checked (``None``: they can): none at all, or GPUs
+    that ``nvidia-smi`` lists (those ``CUDA_VISIBLE_DEVICES`` leaves) and torch cannot
+    use."""
+    expected = len(listed)
+    if env.get("CUDA_VISIBLE_DEVICES") is not None:
+        expected = min(expected, len([d for d in env["CUDA_VISIBLE_DEVICES"].split(",")
+                                      if d.strip()]))
+    build = (f"torch {torch.__version__}, "
+             + (f"built for CUDA {torch.version.cuda}" if torch.version.cuda
+                else "a CPU-only build"))
+    if not available or count == 0:
+        if expected == 0:
+            return ("no GPU here: nvidia-smi lists none and torch.cuda.is_available() "
+                    "is False; --rehearse runs the same plan on the CPU")
+        return (f"nvidia-smi lists {expected} GPU(s) ({listed[0]}), but torch cannot "
+                f"use them: torch.cuda.is_available() is False ({build}; a driver "
+                f"older than that CUDA needs, or a container started without its "
+                f"GPUs, does this)")
+    if count < expected:
+        return (f"nvidia-smi lists {expected} GPU(s) this process may use, torch sees "
+                f"{count} ({build})")
+    return None
+
+
+def stated_plan(checks: list[str], gpus: int) -> tuple[list[str], int]:
+    """The plan's lines, with the seconds each check is stated to take, and the sum."""
+    lines, total = [], 0
+    for name in checks:
+        seconds, source = STATED_SECONDS[name]
+        total += seconds
+        lines.append(f"{name:<22} {seconds:>5} s  ({source})")
+    return lines, total
 
 
 # --- the check as a whole -------------------------------------------------------------
@@ -644,17 +909,20 @@ def environment() -> dict:
                                capture_output=True, text=True)
         driver = (query.stdout.strip().splitlines()[0]
                   if query.returncode == 0 and query.stdout.strip() else "")
+    try:
+        nccl = (".".join(map(str, torch.cuda.nccl.version()))
+                if dist.is_nccl_available() else None)
+    except Exception:  # a build without it
+        nccl = None
     return {"gpus": [p.name for p in props],
             "gpu_memory_gib": [round(p.total_memory / 2**30, 1) for p in props],
             "driver": driver, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version(),
-            "nccl": (".".join(map(str, torch.cuda.nccl.version()))
-                     if dist.is_nccl_available() else None),
+            "cudnn": torch.backends.cudnn.version(), "nccl": nccl,
             "python": platform.python_version(), "cpu_count": os.cpu_count(),
             "platform": platform.platform()}
 
 
-def make_test_check(nproc: int = 0, work: str = "") -> dict:
+def make_test_check(nproc: int = 0, work: str = "", device: str = "cuda") -> dict:
     """``make test`` on this machine: its summary line, its time and its exit status."""
     t0 = time.perf_counter()
     done = subprocess.run(["make", "test"], cwd=ROOT, capture_output=True, text=True)
@@ -667,13 +935,15 @@ def make_test_check(nproc: int = 0, work: str = "") -> dict:
                      else (done.stdout + done.stderr)[-3000:])}
 
 
-CHECKS = {"collectives": collectives_check, "training": training_checks,
+CHECKS = {"collectives": collectives_check, "loader_no_sync": loader_sync_check,
+          "capstone": capstone_check, "training": training_checks,
           "loader_workers": loader_workers_check, "compile": compile_check,
           "amp_fp16": amp_fp16_check, "resume_on_fewer_gpus": fewer_gpus_check,
-          "two_nodes": two_nodes_check, "make_test": make_test_check}
+          "two_nodes": two_nodes_check, "loader_bench": loader_bench_check,
+          "throughput": throughput_check, "make_test": make_test_check}
 
 
-def run_checks(names: list[str], nproc: int) -> dict:
+def run_checks(names: list[str], nproc: int, device: str = "cuda") -> dict:
     """Each named check in turn (in one scratch folder, deleted after); a check that
     raises is recorded as failed with its error, and the others still run."""
     checks = {}
@@ -681,7 +951,7 @@ def run_checks(names: list[str], nproc: int) -> dict:
         for name in names:
             t0 = time.perf_counter()
             try:
-                checks[name] = CHECKS[name](nproc, work)
+                checks[name] = CHECKS[name](nproc, work, device)
             except Exception as exc:  # recorded, not hidden: the file says what failed
                 checks[name] = {"error": f"{type(exc).__name__}: {exc}"[:3000],
                                 "passed": False}
@@ -694,44 +964,101 @@ def run_checks(names: list[str], nproc: int) -> dict:
     return checks
 
 
-def main(argv=None) -> int:
+def results_name(profile: str, rehearse: bool, gpu: str) -> str:
+    """``gpu_check_<gpu>.json``, ``gpu_check_quick_<gpu>.json``, or
+    ``gpu_check_rehearsal_cpu[_quick].json``."""
+    if rehearse:
+        return f"gpu_check_rehearsal_cpu{'_quick' if profile == 'quick' else ''}.json"
+    slug = re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_")
+    return f"gpu_check_{'quick_' if profile == 'quick' else ''}{slug}.json"
+
+
+def parser() -> argparse.ArgumentParser:
     # the docstring's first paragraph (argparse re-flows it onto one line)
     p = argparse.ArgumentParser(prog="python -m utils.gpu_check",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(ROOT, "book", "results"),
                    help="folder for the results file")
+    p.add_argument("--quick", action="store_true",
+                   help=f"the checks worth most, in at most {QUICK_MINUTES} minutes on "
+                        f"one GPU: {', '.join(QUICK)}")
     p.add_argument("--make-test", action="store_true",
                    help="also run `make test` and record its result")
+    p.add_argument("--rehearse", action="store_true",
+                   help="run the same plan on this machine's CPU (2 gloo ranks, a "
+                        "small CNN, the same timeouts): proves the orchestration, not "
+                        "CUDA")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan and the seconds each check is stated to take; "
+                        "run nothing")
+    p.add_argument("--allow-no-gpu", action="store_true",
+                   help="exit 0, not 1, where there is no GPU at all")
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu-check: torch.cuda.is_available() is False on this machine; "
-              "there is no CUDA path to check "
-              "(`make test` covers the CPU). Nothing written.")
+    profile = "quick" if args.quick else "full"
+    if args.rehearse and args.make_test:
+        p.error("--make-test runs make test on a GPU machine; leave it out of "
+                "--rehearse (make test runs on the CPU anyway)")
+    global RUN_TIMEOUT
+    if args.quick:
+        RUN_TIMEOUT = QUICK_RUN_TIMEOUT
+    available = torch.cuda.is_available()
+    count = torch.cuda.device_count() if available else 0
+    if args.dry_run:
+        gpus = 2 if args.rehearse else max(count, 1)
+        checks, not_checked = plan(gpus, make_test=args.make_test, profile=profile)
+        lines, total = stated_plan(checks, gpus)
+        where = ("this CPU (--rehearse: 2 gloo ranks)" if args.rehearse else
+                 f"{count} GPU(s)" if count else "1 GPU (none here)")
+        print(f"gpu-check {profile} plan on {where}; {RUN_TIMEOUT} s at most per "
+              f"process:", *lines, f"{'total':<22} {total:>5} s  "
+              f"({total / 60:.1f} min)", "not checked:", *not_checked, sep="\n  ")
         return 0
-    nproc = torch.cuda.device_count()
-    names, not_checked = plan(nproc, compile_unavailable(), amp_fp16_unavailable(),
-                              args.make_test)
-    report = {"check": "make gpu-check",
+    if args.rehearse:
+        device, nproc = "cpu", 2
+        reasons = ("the rehearsal runs on the CPU",) * 2
+    else:
+        problem = gpu_problem(nvidia_smi_gpus(), os.environ, available, count)
+        if problem and args.allow_no_gpu and problem.startswith("no GPU here"):
+            print(f"gpu-check: {problem}. --allow-no-gpu: nothing checked, nothing "
+                  f"written.")
+            return 0
+        if problem:
+            print(f"gpu-check: error: {problem}. Nothing checked.", file=sys.stderr)
+            return 1
+        device, nproc = "cuda", count
+        reasons = ((compile_unavailable(), amp_fp16_unavailable())
+                   if profile == "full" else (None, None))
+    names, not_checked = plan(nproc, *reasons, args.make_test, profile)
+    env = environment()
+    report = {"check": f"python -m utils.gpu_check ({profile} profile"
+                       f"{', rehearsed on the CPU' if args.rehearse else ''})",
               "command": " ".join([os.path.basename(sys.executable), "-m",
                                    "utils.gpu_check",
                                    *(argv if argv is not None else sys.argv[1:])]),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                   timespec="seconds"),
-              "environment": environment(), "world_size": nproc,
+              "profile": profile, "rehearsal": args.rehearse,
+              "environment": env, "world_size": nproc, "device": device,
+              "run_timeout_s": RUN_TIMEOUT,
+              "stated_seconds": {n: STATED_SECONDS[n][0] for n in names},
               "not_checked": not_checked, "checks": {}}
-    print(f"gpu-check on {nproc} x {report['environment']['gpus'][0]}: "
-          f"{', '.join(names)}; not checked here:", *not_checked, sep="\n  ",
-          flush=True)
-    report["checks"] = run_checks(names, nproc)
+    where = "the CPU (rehearsal)" if args.rehearse else f"{nproc} x {env['gpus'][0]}"
+    print(f"gpu-check {profile} on {where}: {', '.join(names)}; not checked here:",
+          *not_checked, sep="\n  ", flush=True)
+    t0 = time.perf_counter()
+    report["checks"] = run_checks(names, nproc, device)
+    report["total_seconds"] = round(time.perf_counter() - t0, 1)
     report["passed"] = all(c["passed"] for c in report["checks"].values())
-    slug = re.sub(r"[^a-z0-9]+", "_",
-                  report["environment"]["gpus"][0].lower()).strip("_")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"gpu_check_{slug}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    print(f"{'PASSED' if report['passed'] else 'FAILED'}; results in {path}")
+    path = os.path.join(args.out, results_name(profile, args.rehearse,
+                                               (env["gpus"] or ["cpu"])[0]))
+    results.write(path, report, SOURCES, gpu=not args.rehearse)
+    print(f"{'PASSED' if report['passed'] else 'FAILED'} in "
+          f"{report['total_seconds']:.0f} s; results in {path}")
     return 0 if report["passed"] else 1
 
 

@@ -1,13 +1,17 @@
 """A GPU-resident training loader: the whole uint8 data set on the device, augmentation
 as whole-batch tensor operations, every random choice keyed by ``(seed, epoch)``.
 
-The training set lives on the device as one uint8 tensor. At the start of each epoch
-this rank's images are gathered from it by index, randomly cropped (``RandomCrop(size,
-padding=4)``, zero padding, as torchvision's) and flipped (``RandomHorizontalFlip``),
-converted to float and normalised, all at once: a fixed number of tensor operations
-(``count_ops`` counts 142 on the CPU), whatever the number of batches, and no host
-synchronisation. Each batch is then two slices of the result. The same code runs on
-CPU tensors, which is how it is tested.
+The training set lives on the device as one uint8 tensor, with its zero border
+(``padding``) added once. At the start of each epoch the host makes the epoch's plan
+(the order, as ``ShardSampler``'s, and each sample's crop and flip, in NumPy) and copies
+it to the device in one pinned copy; then this rank's images are gathered from the
+padded set, cropped and flipped by the gather's own indices, and normalised (on a GPU
+by a lookup in a table of the 256 values per channel, in the batches' dtype; on the CPU
+by a conversion, a multiply and an add), all at once: at most 8 tensor operations on a
+GPU (``count_ops`` counts them on the CPU), whatever the number of batches, and no
+host synchronisation. Each batch is then two slices of the result; the next epoch's
+plan is made while the first batch trains. The same code runs on CPU tensors, which
+is how it is tested.
 
 Public names (stable; the benchmark and chapter 12 import them):
 
@@ -23,7 +27,8 @@ Public names (stable; the benchmark and chapter 12 import them):
 - ``augment_draws(seed, epoch, indices, padding)``: the crop offsets and flips of many
   samples, as tensors on ``indices``' device; ``sample_draws(seed, epoch, index,
   padding)``: one sample's, as Python ints (the same values).
-- ``resident_bytes(images)``: the bytes the loader keeps on its device;
+- ``resident_bytes(images, padding, dtype, num_replicas)``: the bytes the loader
+  allocates on its device at most (kept, and at an epoch's set-up);
   ``CIFAR_MEAN``, ``CIFAR_STD``: the default normalisation.
 
 Where each random choice comes from:
@@ -34,8 +39,10 @@ Where each random choice comes from:
   device once per epoch. With ``batch_size`` per rank, batch ``k`` of all ranks
   together covers positions ``[k*b*R, (k+1)*b*R)`` of the epoch's order.
 - The crop offsets and the flip of sample ``index`` in ``epoch`` are a hash of
-  ``(seed, epoch, index)``, computed with 64-bit integer tensor operations on the device
-  (exact, so the same on CPU and CUDA): no generator, no state, no dependence on the
+  ``(seed, epoch, index)``, computed with exact 64-bit integer operations (by the
+  loader in NumPy on the host, by ``augment_batch`` and ``augment_draws`` with tensor
+  operations on the data's device: the same values everywhere): no generator, no
+  state, no dependence on the
   batch size, the rank or what ran before. A run resumed mid-epoch
   (``set_epoch(epoch, start_batch=k)``) yields exactly the batches an uninterrupted run
   yields from batch ``k`` on.
@@ -57,7 +64,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._checks import check_bool, check_int, check_rank
-from .samplers import check_labels, check_seed_and_epoch, shard_indices
+from .samplers import MAX_SEED, check_labels, check_seed_and_epoch, epoch_generator
 from .seeding import derive_seed
 
 __all__ = ["GPULoader", "augment_batch", "reference_augment", "augment_draws",
@@ -72,6 +79,7 @@ _C1, _C2 = 0x7FEB352D, 0x846CA68B
 _STREAM = 0x9E3779B9  # separates the three draws of a sample: dy, dx, flip
 _TAG = 0x6770755F6C6F6164  # "gpu_load": these keys differ from other derive_seed uses
 MAX_PADDING = 2**20
+CPU_CHUNK_IMAGES = 256  # GPULoader on the CPU: images augmented at a time
 
 
 # --- the draws: a hash of (seed, epoch, index) ----------------------------------------
@@ -88,6 +96,16 @@ def _mix_int(x: int) -> int:
     x ^= x >> 16
     x = (x * _C1) & _M32
     x ^= x >> 15
+    x = (x * _C2) & _M32
+    return x ^ (x >> 16)
+
+
+def _mix_np(x: np.ndarray) -> np.ndarray:
+    """lowbias32 on a uint64 array of values in ``[0, 2**32)`` (the products fit in
+    64 bits)."""
+    x = x ^ (x >> 16)
+    x = (x * _C1) & _M32
+    x = x ^ (x >> 15)
     x = (x * _C2) & _M32
     return x ^ (x >> 16)
 
@@ -133,6 +151,17 @@ def _draws(keys: tuple[int, int], indices: torch.Tensor,
     base = _mix(_mix(indices.to(torch.int64) ^ k0) ^ k1)
     h = [_mix(base ^ ((j * _STREAM) & _M32)) for j in range(3)]
     return (h[0] * span) >> 32, (h[1] * span) >> 32, (h[2] >> 31).bool()
+
+
+def _draws_np(keys: tuple[int, int], indices: np.ndarray,
+              span: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``_draws`` on the host, with NumPy: the same values, and no tensor operation."""
+    k0, k1 = (np.uint64(k) for k in keys)
+    base = _mix_np(_mix_np(indices.astype(np.uint64) ^ k0) ^ k1)
+    h = [_mix_np(base ^ np.uint64((j * _STREAM) & _M32)) for j in range(3)]
+    span = np.uint64(span)
+    return ((h[0] * span) >> np.uint64(32)).astype(np.int64), \
+        ((h[1] * span) >> np.uint64(32)).astype(np.int64), (h[2] >> np.uint64(31)) == 1
 
 
 def augment_draws(seed: int, epoch: int, indices,
@@ -312,6 +341,49 @@ def augment_batch(data: torch.Tensor, indices, seed: int, epoch: int, *,
                     check_bool("channels_last", channels_last), _check_dtype(dtype))
 
 
+def crop_and_look_up(data: torch.Tensor, table: torch.Tensor, channel: torch.Tensor,
+                     rows: torch.Tensor, cols: torch.Tensor, index: torch.Tensor,
+                     dy: torch.Tensor, first: torch.Tensor, step: torch.Tensor,
+                     channels_last: bool) -> torch.Tensor:
+    """The GPU loader's augmentation: image ``index[b]`` of the padded ``data`` (``(N,
+    H + 2p, W + 2p, C)`` uint8), its rows from ``dy[b]``, its columns from ``first[b]``
+    by ``step[b]`` (-1: flipped), each value ``v`` of channel ``c`` replaced by
+    ``table[c, v]``: ``(B, C, H, W)`` in the table's dtype. ``channel``, ``rows``,
+    ``cols``: ``arange(C)``, ``arange(H)``, ``arange(W)`` on the device. Eager: row and
+    column indices, a gather (one pass over the pixels), a conversion to int32 and the
+    lookup; under ``torch.compile``, one kernel that reads each crop's pixels once and
+    writes the batches once."""
+    rows = dy[:, None] + rows  # (B, H)
+    cols = torch.addcmul(first[:, None], step[:, None], cols)  # (B, W)
+    # one gather, the index tensors broadcast to (B, H, W): (B, H, W, C) uint8
+    pixels = data[index[:, None, None], rows[:, :, None], cols[:, None, :]]
+    if channels_last:  # (B, H, W, C) seen as (B, C, H, W): channels_last
+        return table[channel, pixels.int()].permute(0, 3, 1, 2)
+    # the conversion writes (B, C, H, W) in order, and the lookup follows its layout
+    return table[channel[:, None, None], pixels.permute(0, 3, 1, 2).to(
+        torch.int32, memory_format=torch.contiguous_format)]
+
+
+_COMPILED: list = []  # torch.compile(crop_and_look_up), made once per process
+
+
+def _compiled_augmentation(device: torch.device, compile: bool):
+    """``crop_and_look_up`` compiled into one kernel with ``compile``, else ``None``
+    (eager); where ``torch.compile`` cannot work (``utils.devices.compile_problem``) an
+    error says why."""
+    from .devices import compile_problem
+
+    if not check_bool("compile", compile):
+        return None
+    problem = compile_problem(device)
+    if problem is not None:
+        raise ValueError(f"compile=True, but {problem}")
+    if not _COMPILED:
+        # dynamic: an epoch resumed mid-way, or a last chunk, has another length
+        _COMPILED.append(torch.compile(crop_and_look_up, dynamic=True))
+    return _COMPILED[0]
+
+
 # --- the loader -----------------------------------------------------------------------
 
 def _as_nhwc(images, channels: int) -> torch.Tensor:
@@ -333,10 +405,20 @@ def _as_nhwc(images, channels: int) -> torch.Tensor:
     return images
 
 
-def resident_bytes(images) -> int:
-    """Bytes a ``GPULoader`` of ``images`` keeps on its device: the uint8 images and
-    one int64 label per image."""
-    return int(np.prod(tuple(images.shape))) + 8 * len(images)
+def resident_bytes(images, padding: int = 4, dtype: torch.dtype = torch.float32,
+                   num_replicas: int = 1) -> int:
+    """Bytes a ``GPULoader`` of ``images`` (``(N, H, W, C)``) allocates on its device
+    at most: the uint8 images with their ``padding`` border, kept; and while an epoch is
+    set up, for this rank's ``N / num_replicas`` images, its plan (5 int64 per image),
+    the gathered uint8 pixels, their int32 copy and the batches in ``dtype``."""
+    n, height, width, channels = (int(d) for d in images.shape)
+    padding = _check_padding(padding)
+    kept = n * (height + 2 * padding) * (width + 2 * padding) * channels
+    mine = -(-n // check_int("num_replicas", num_replicas, minimum=1))
+    pixels = mine * height * width * channels
+    itemsize = torch.empty((), dtype=_check_dtype(dtype)).element_size()
+    # at the peak: the int32 copy and either the uint8 pixels or the batches beside it
+    return kept + mine * 5 * 8 + pixels * (4 + max(1, itemsize))
 
 
 def _resolve_world(num_replicas, rank) -> tuple[int, int]:
@@ -362,11 +444,22 @@ class GPULoader:
     ``device`` defaults to the images' (the CPU for an array). ``dtype``: the batches'
     float type (float32, or the AMP dtype: bfloat16, float16).
 
-    Each iteration augments the rest of the epoch at once, a fixed number of tensor
-    operations whatever its length, and then yields slices of it: two slicing
-    operations per batch, no kernel. That costs ``4 * C * H * W`` bytes per image of
-    the epoch in float32 (half in bfloat16) on the device; ``chunk_batches=k`` bounds
-    it to ``k`` batches at a time, for the same batches.
+    The images are kept with their zero border (``padding``) already added. Each
+    epoch's order and draws are a plan made on the host (NumPy: no tensor operation
+    but the permutation), copied to the device at once (pinned, no wait); then
+    augmenting the rest of the epoch takes a fixed number of tensor operations
+    whatever its length (row and column indices, one gather of the crops, flips
+    included, and on a GPU a conversion to int32 and a lookup in a ``(C, 256)`` table
+    of the normalised values in ``dtype``: three passes over the pixels; on the CPU a
+    conversion, a multiply and an add, which vectorise), and each batch is two slices
+    of the result, no kernel. The next epoch's plan is made while the first
+    batch of this one trains. That costs ``resident_bytes`` on the device;
+    ``chunk_batches=k`` makes ``k`` batches at a time, for the same batches (the
+    default: the whole epoch on a GPU, ``CPU_CHUNK_IMAGES`` images at a time on the
+    CPU, where the pixels then stay in the cache and the first batch comes at once).
+    ``compile=True``: on a GPU the gather and the lookup become one kernel
+    (``torch.compile``; the first epoch then waits for the compilation, once per
+    process and layout).
     """
 
     def __init__(self, images, labels, batch_size: int, *,
@@ -376,7 +469,8 @@ class GPULoader:
                  mean: Sequence[float] = CIFAR_MEAN, std: Sequence[float] = CIFAR_STD,
                  channels_last: bool = False, device=None,
                  dtype: torch.dtype = torch.float32,
-                 chunk_batches: int | None = None) -> None:
+                 chunk_batches: int | None = None,
+                 compile: bool = False) -> None:
         self.batch_size = check_int("batch_size", batch_size, minimum=1)
         self.num_replicas, self.rank = _resolve_world(num_replicas, rank)
         self.shuffle = check_bool("shuffle", shuffle)
@@ -393,13 +487,33 @@ class GPULoader:
         if device is None:
             device = nhwc.device
         self.device = torch.device(device)
-        self.data = nhwc.to(self.device).contiguous()
-        self.labels = torch.from_numpy(targets).to(self.device)
-        self.norm = _norm_constants(mean, std, self.device)
+        p = self.padding
+        # the images with their zero border, once: a crop is then a plain gather
+        self.data = F.pad(nhwc.to(self.device), (0, 0, p, p, p, p)).contiguous()
+        self.height, self.width = nhwc.shape[1], nhwc.shape[2]
+        self.labels = targets.astype(np.int64)  # on the host: they travel with the plan
         self.dtype = _check_dtype(dtype)
+        # every normalised value, per channel, computed as reference_augment computes
+        # it (float32, then rounded to dtype): a lookup gives the same bits
+        scale, shift = _norm_constants(mean, std, "cpu")
+        values = torch.arange(256, dtype=torch.float32).view(1, 256)
+        self.table = (values.mul(scale.view(-1, 1)).add(shift.view(-1, 1))
+                      .to(self.dtype).to(self.device))
+        self.channel = torch.arange(len(mean), device=self.device)
+        self.norm = _norm_constants(mean, std, self.device)
+        # normalise by the table on a GPU (memory-bound: three passes over the pixels);
+        # on the CPU by float arithmetic, which vectorises where a lookup does not
+        self.lookup = self.device.type == "cuda"
+        self.compiled = _compiled_augmentation(self.device, compile)
+        # batches augmented at a time by default (None: the whole epoch, on a GPU)
+        self.default_chunk = (None if self.device.type == "cuda"
+                              else max(1, CPU_CHUNK_IMAGES // self.batch_size))
+        self.rows = torch.arange(self.height, device=self.device)
+        self.cols = torch.arange(self.width, device=self.device)
         self.chunk_batches = (None if chunk_batches is None else
                               check_int("chunk_batches", chunk_batches, minimum=1))
-        self.dataset_len = len(self.data)
+        self._next_plan = None  # ((epoch, start_batch), plan) made ahead
+        self.dataset_len = len(nhwc)
         n, r, b = self.dataset_len, self.num_replicas, self.batch_size
         self.num_samples = n // r if self.drop_last else -(-n // r)  # ShardSampler's
         self.num_batches = (self.num_samples // b if self.drop_last_batch
@@ -416,32 +530,75 @@ class GPULoader:
     def indices(self) -> torch.Tensor:
         """This rank's indices for the current epoch (all of them, on the CPU):
         ``ShardSampler``'s."""
-        return shard_indices(self.dataset_len, self.num_replicas, self.rank,
-                             shuffle=self.shuffle, seed=self.seed, epoch=self.epoch,
-                             drop_last=self.drop_last)
+        return torch.from_numpy(self._indices(self.epoch))
+
+    def _indices(self, epoch: int) -> np.ndarray:
+        """``shard_indices`` with one tensor operation (the permutation, which must be
+        torch's), the padding or cut and the stride in NumPy."""
+        n, r = self.dataset_len, self.num_replicas
+        order = (torch.randperm(n, generator=epoch_generator(self.seed, epoch)).numpy()
+                 if self.shuffle else np.arange(n, dtype=np.int64))
+        total = n // r * r if self.drop_last else -(-n // r) * r
+        return np.resize(order, total)[self.rank::r]  # resize repeats from the start
+
+    def _plan(self, epoch: int, start_batch: int) -> torch.Tensor:
+        """The plan of ``epoch`` from batch ``start_batch``, on the host: an int64
+        ``(5, n)`` tensor of each image's index, crop row, first column, column step
+        (-1: flipped) and label, pinned when it goes to a GPU."""
+        b = self.batch_size
+        order = self._indices(epoch)[start_batch * b:self.num_batches * b]
+        dy, dx, flipped = _draws_np(_epoch_key(self.seed, epoch), order,
+                                    2 * self.padding + 1)
+        flipped &= self.flip
+        step = 1 - 2 * flipped.astype(np.int64)
+        plan = np.stack([order, dy, dx + (self.width - 1) * flipped, step,
+                         self.labels[order]])
+        if self.device.type != "cuda":
+            return torch.from_numpy(plan)
+        pinned = torch.empty(plan.shape, dtype=torch.int64, pin_memory=True)
+        pinned.numpy()[:] = plan
+        return pinned
 
     def __len__(self) -> int:
         """Batches the next iteration yields (from ``start_batch``)."""
         return self.num_batches - self.start_batch
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        b = self.batch_size
-        first = self.start_batch * b
-        order = self.indices()[first:first + len(self) * b]
-        order = _to_device(order, self.device)  # on a GPU: pinned, no host wait
-        key, span = _epoch_key(self.seed, self.epoch), 2 * self.padding + 1
-        chunk = len(order) if self.chunk_batches is None else self.chunk_batches * b
-        for begin in range(0, len(order), max(chunk, 1)):
-            part = order[begin:begin + chunk]
-            images = _augment(self.data, part, _draws(key, part, span), self.padding,
-                              self.flip, self.norm, self.channels_last, self.dtype)
-            labels = self.labels[part]
-            for start in range(0, len(part), b):  # slices: views, no kernel
+        b, key = self.batch_size, (self.epoch, self.start_batch)
+        ahead, self._next_plan = self._next_plan, None
+        plan = ahead[1] if ahead is not None and ahead[0] == key else self._plan(*key)
+        # on a GPU: from pinned memory, no host wait
+        plan = plan.to(self.device, non_blocking=True)
+        chunk = self.chunk_batches or self.default_chunk or max(len(self), 1)
+        for begin in range(0, plan.shape[1], chunk * b):
+            index, dy, first, step, labels = plan[:, begin:begin + chunk * b]
+            images = self._augment(index, dy, first, step)
+            for start in range(0, len(index), b):  # slices: views, no kernel
                 yield images[start:start + b], labels[start:start + b]
+                if self._next_plan is None and self.seed + key[0] < MAX_SEED:
+                    # the next epoch's plan, on the host, while this batch trains
+                    self._next_plan = ((key[0] + 1, 0), self._plan(key[0] + 1, 0))
+
+    def _augment(self, index, dy, first, step) -> torch.Tensor:
+        """The crops of ``index`` (rows from ``dy``, columns from ``first`` by
+        ``step``) in the padded images, normalised (by the lookup table on a GPU):
+        ``(B, C, H, W)`` in ``self.dtype``."""
+        if self.lookup:
+            crop = self.compiled or crop_and_look_up
+            return crop(self.data, self.table, self.channel, self.rows, self.cols,
+                        index, dy, first, step, self.channels_last)
+        rows = dy[:, None] + self.rows  # (B, H)
+        cols = torch.addcmul(first[:, None], step[:, None], self.cols)  # (B, W)
+        pixels = self.data[index[:, None, None], rows[:, :, None], cols[:, None, :]]
+        # the CPU: float arithmetic, vectorised, on pixels still in the cache
+        layout = torch.channels_last if self.channels_last else torch.contiguous_format
+        x = pixels.permute(0, 3, 1, 2).to(torch.float32, memory_format=layout)
+        x = x.mul_(self.norm[0]).add_(self.norm[1])
+        return x if self.dtype == torch.float32 else x.to(self.dtype)
 
     def __repr__(self) -> str:
         return (f"GPULoader({self.dataset_len} images of "
-                f"{tuple(self.data.shape[1:])} on {self.device}, "
+                f"{(self.height, self.width, self.data.shape[3])} on {self.device}, "
                 f"batch_size={self.batch_size}, num_replicas={self.num_replicas}, "
                 f"rank={self.rank}, seed={self.seed}, epoch={self.epoch})")
 
@@ -452,23 +609,24 @@ class _OpCounter(TorchDispatchMode):
     """Counts the ATen operations dispatched while it is active: on a GPU each one is
     at least a launch's worth of host time (or a metadata-only view)."""
 
-    def __init__(self):
+    def __init__(self, views: bool = True):
         super().__init__()
-        self.count = 0
+        self.count, self.views = 0, views
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
+        self.count += self.views or not func.is_view
         return func(*args, **(kwargs or {}))
 
 
-def count_ops(batches) -> list[int]:
+def count_ops(batches, views: bool = True) -> list[int]:
     """The ATen operations it takes to get each item of ``batches`` (any iterable: a
     ``GPULoader``, a DataLoader): ``counts[0]`` includes what the iteration does
     before its first item (the epoch's set-up). Counted on whatever device the work
-    runs on; a CPU run counts what a CUDA run would launch."""
+    runs on; a CPU run counts what a CUDA run would launch. ``views=False`` leaves out
+    the operations that only make a view (a slice, a permute: no kernel)."""
     counts, iterator = [], iter(batches)
     while True:
-        counter = _OpCounter()
+        counter = _OpCounter(views)
         with counter:
             try:
                 next(iterator)

@@ -21,6 +21,7 @@ import time
 import nbformat
 import yaml
 
+from . import results
 from .bench import environment
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -113,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
                    + " ".join(sys.argv[1:] if argv is None else argv),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(args.out)
+    # not the notebooks among the sources: their times move by seconds with each edit,
+    # and the landing page quotes them rounded to minutes (regenerate when a chapter's
+    # work changes: python -m utils.notebook_times --update-intro)
+    results.write(str(args.out), result, ["utils/notebook_times.py::time_notebook"])
     if args.update_intro:
         INTRO.write_text(intro_with_times(INTRO.read_text(), times))
     return 0

@@ -20,7 +20,8 @@ and the sample index (augmentations), or of the seed, step and rank (anything a 
 draws), so a run killed and resumed from a checkpoint, on any number of workers, ends
 with the same parameters as one that never stopped. Under torchrun's restarts each
 attempt gets a store of its own (``attempt_store``); SIGTERM or SIGUSR1 makes every rank
-stop after the same step, with one checkpoint, ``preempted.json`` and exit code 75
+stop after the same step (the ranks agree on it every ``STOP_CHECK_EVERY`` steps and
+after an epoch's last step), with one checkpoint, ``preempted.json`` and exit code 75
 (``EXIT_PREEMPTED``); ``examples/slurm/train_cifar10.sbatch`` runs it under SLURM.
 
 Feeding the GPU: ``--loader gpu`` keeps the uint8 training set on the device and
@@ -28,9 +29,13 @@ augments whole batches there (``utils.gpu_loader.GPULoader``: the same sample or
 as ``--loader workers``, other augmentation draws, also keyed by the seed, the epoch
 and the index); ``--loader auto``, the default, takes it with CUDA when the training
 set fits (see ``choose_loader``), else the DataLoader with worker processes. On CUDA
-the model and its inputs use ``channels_last``. The training loop never waits for the
-GPU: the loss is summed on the device and read every ``--log-every`` steps (progress
-bar) and at the end of each epoch. ``--compile`` compiles the model.
+the model and its inputs use ``channels_last``. The training loop waits for the GPU only
+where it must: the loss is summed on the device and read every ``--log-every`` steps
+(progress bar) and at the end of each epoch, and a checkpoint (``--checkpoint-every``,
+each epoch's end) copies the weights off it. ``--sync-bn`` (torch's SyncBatchNorm, off
+by default) adds a collective to every BatchNorm layer's forward and backward, and
+``--amp fp16``'s loss scaler reads its overflow flag every step: both make the host wait
+for the GPU. ``--compile`` compiles the model.
 
 Each epoch rank 0 writes one JSON line to ``OUT/metrics.jsonl``: ``epoch``, ``step``,
 ``train_loss`` (the mean over the epoch's steps and ranks), ``test_accuracy``,
@@ -41,7 +46,6 @@ Each epoch rank 0 writes one JSON line to ``OUT/metrics.jsonl``: ``epoch``, ``st
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import re
@@ -64,6 +68,7 @@ from torch.utils.data import DataLoader, Dataset
 from .data import (download_cifar10, is_synthetic_cifar10, load_cifar10,
                    write_synthetic_cifar10)
 from .devices import collective_device
+from .devices import compile_problem
 from .gpu_loader import CIFAR_MEAN, CIFAR_STD, GPULoader, resident_bytes
 from .metrics import EvalShardSampler, sum_over_ranks
 from .samplers import ShardSampler
@@ -117,8 +122,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="channels_last memory format for the model and its inputs "
                         "(auto: yes with CUDA)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the model (needs g++ or $CXX on the CPU, "
-                        "Triton on CUDA)")
+                   help="torch.compile the model and the GPU loader's augmentation "
+                        "(g++ or $CXX on the CPU; Triton, cc and Python.h on CUDA)")
     p.add_argument("--log-every", type=int, default=50,
                    help="read the loss from the device every N steps for the "
                         "progress bar (the only reads during an epoch)")
@@ -131,7 +136,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "H100 and later), or fp16 with a gradient scaler, saved in "
                         "checkpoints (V100, T4: bf16 is emulated there)")
     p.add_argument("--sync-bn", action="store_true",
-                   help="SyncBatchNorm across GPUs (CUDA only)")
+                   help="SyncBatchNorm across GPUs (CUDA only; off by default: a "
+                        "collective in every BatchNorm layer, forward and backward, "
+                        "for statistics over the global batch, not the local one)")
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic algorithms and fixed DDP buckets: "
                         "bit-identical restarts (slower)")
@@ -233,28 +240,10 @@ def choose_loader(choice: str, device: torch.device, nbytes: int,
 
 def check_compile(device: torch.device) -> None:
     """Refuse ``--compile`` where ``torch.compile`` cannot work, before any work is
-    done: an unsupported Python, no C++ compiler for the CPU (inductor's: ``$CXX``, else
-    g++, clang++ on macOS), no Triton for CUDA."""
-    try:
-        import torch._dynamo
-
-        supported = torch._dynamo.is_dynamo_supported()
-    except Exception:  # an old or partial torch
-        supported = False
-    if not supported:
-        raise SystemExit(f"error: --compile: torch.compile does not support this "
-                         f"Python ({sys.version.split()[0]}) with torch "
-                         f"{torch.__version__}; leave out --compile")
-    if device.type == "cpu":
-        default = "clang++" if sys.platform == "darwin" else "g++"
-        compiler = os.environ.get("CXX", default)
-        if shutil.which(compiler) is None:
-            raise SystemExit(f"error: --compile on the CPU needs a C++ compiler, and "
-                             f"{compiler!r} (from $CXX or the default {default}) is "
-                             f"not found; install one, set CXX, or leave out --compile")
-    elif importlib.util.find_spec("triton") is None:
-        raise SystemExit("error: --compile on CUDA needs Triton (pip install triton); "
-                         "leave out --compile")
+    done (``utils.devices.compile_problem``)."""
+    problem = compile_problem(device)
+    if problem is not None:
+        raise SystemExit(f"error: {problem}")
 
 
 def agreed_free_memory(device: torch.device, ddp: bool) -> int | None:
@@ -885,7 +874,9 @@ def build_data(args, job: Job) -> Data:
     if steps_per_epoch == 0:
         raise SystemExit(f"error: {len(train_set)} training images is less than one "
                          f"global batch of {args.global_batch}")
-    loader, why = choose_loader(args.loader, job.device, resident_bytes(train_set.data),
+    loader, why = choose_loader(args.loader, job.device,
+                                resident_bytes(train_set.data, dtype=batch_dtype(args),
+                                               num_replicas=job.world_size),
                                 agreed_free_memory(job.device, job.ddp))
     loader_kwargs = dict(num_workers=args.workers, pin_memory=job.cuda,
                          persistent_workers=args.workers > 0,
@@ -930,6 +921,14 @@ def shield_worker(worker_id: int) -> None:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
+def batch_dtype(args) -> torch.dtype:
+    """The GPU loader's batches: in the autocast dtype with ``--amp`` (autocast would
+    round the float32 images to it before the first convolution: the same values,
+    one pass fewer), else float32."""
+    return {None: torch.float32, "bf16": torch.bfloat16,
+            "fp16": torch.float16}[args.amp]
+
+
 def make_train_loader(args, job: Job, train_set: KeyedAugment, loader: str,
                       loader_kwargs: dict) -> tuple[GPULoader | DataLoader,
                                                     EpochSampler | None]:
@@ -940,7 +939,8 @@ def make_train_loader(args, job: Job, train_set: KeyedAugment, loader: str,
         return GPULoader(train_set.data, train_set.targets, job.batch_size,
                          num_replicas=job.world_size, rank=job.rank, seed=args.seed,
                          drop_last=True, drop_last_batch=True,
-                         channels_last=job.channels_last, device=job.device), None
+                         channels_last=job.channels_last, device=job.device,
+                         dtype=batch_dtype(args), compile=args.compile), None
     sampler = EpochSampler(train_set, job.world_size, job.rank, shuffle=True,
                            seed=args.seed)
     return DataLoader(train_set, batch_size=job.batch_size, sampler=sampler,
@@ -978,6 +978,9 @@ class Training:
     steps_run: int = 0
     saved_step: int | None = None  # the step of the checkpoint at ``path``
     stop_signal: int = 0  # the signal the ranks agreed to stop on (0: none)
+    # reseed before every step (None: not known before this process's first step, which
+    # reseeds and looks whether anything drew random numbers)
+    reseed: bool | None = None
 
     def epoch_loss(self, world_size: int) -> tuple[float, int]:
         """``(sum of the global batches' mean losses, their number)`` for the epoch so
@@ -1208,7 +1211,9 @@ def train_epoch(args, job: Job, data: Data, training: Training, model: nn.Module
         if (args.checkpoint_every and training.step % args.checkpoint_every == 0
                 and training.step_in_epoch < data.steps_per_epoch):
             save(args, training, job)
-        training.stop_signal = job.preemption.agreed(job) if job.preemption else 0
+        if job.preemption and (training.step % STOP_CHECK_EVERY == 0
+                               or training.step_in_epoch == data.steps_per_epoch):
+            training.stop_signal = job.preemption.agreed(job)
         if training.step == args.stop_at_step or training.stop_signal:
             break
     if bar is not None:
@@ -1234,10 +1239,18 @@ def show_progress(args, data: Data, training: Training, bar, logged, seen: int,
     return logged
 
 
+# steps between two agreements on the stop flag: each is a blocking all-reduce between
+# the ranks' hosts (a round trip between them, longer across nodes), which every
+# step would pay; a signal stops the run at most this many steps later (and after an
+# epoch's last step at the latest)
+STOP_CHECK_EVERY = 10
+
+
 class Preemption:
     """SIGTERM and SIGUSR1 (what a scheduler sends before it kills a job) set a flag;
-    after every step the ranks agree on it, so that all stop after the same step, write
-    one checkpoint and exit with ``EXIT_PREEMPTED``.
+    every ``STOP_CHECK_EVERY`` steps, and after an epoch's last step, the ranks agree on
+    it, so that all stop after the same step, write one checkpoint and exit with
+    ``EXIT_PREEMPTED``.
 
     The handlers are installed in the main thread (where Python allows them), and the
     previous ones restored after the run, unless a signal stopped it: then they stay,
@@ -1289,8 +1302,10 @@ def progress_bar(args, job: Job, data: Data, training: Training):
 def train_step(args, job: Job, training: Training, model: nn.Module, x, y):
     """One optimizer step on this rank's batch; returns its loss (on the device)."""
     # a seed per rank and step where ranks must differ (dropout, if a model had it),
-    # also after a resume
-    seed_everything(derive_seed(args.seed, training.step), job.rank)
+    # also after a resume; not again once a step has shown that nothing draws any
+    if training.reseed is not False:
+        seed_everything(derive_seed(args.seed, training.step), job.rank)
+        before = rng_states(job) if training.reseed is None else None
     # no-ops for the GPU loader's batches, already there in this format
     x = x.to(job.device, non_blocking=True, memory_format=job.memory_format)
     y = y.to(job.device, non_blocking=True)
@@ -1304,7 +1319,16 @@ def train_step(args, job: Job, training: Training, model: nn.Module, x, y):
     training.scaler.step(training.optimizer)
     training.scaler.update()
     training.scheduler.step()
+    if training.reseed is None:  # this process's first step: did it draw any?
+        training.reseed = not all(map(torch.equal, before, rng_states(job)))
     return loss
+
+
+def rng_states(job: Job) -> list[torch.Tensor]:
+    """The state of torch's generators that a step could draw from: the CPU's and this
+    process's GPU's (kept on the host: reading it does not wait for the GPU)."""
+    return [torch.get_rng_state(),
+            *([torch.cuda.get_rng_state(job.device)] if job.cuda else [])]
 
 
 def end_epoch(args, job: Job, data: Data, training: Training, metrics, seen: int,

@@ -259,8 +259,17 @@ JS_OPEN_DETAILS = "() => document.querySelectorAll('details')" \
 # measured layouts must not be half-way through a theme's transition
 CSS_NO_MOTION = "*, *::before, *::after { transition: none !important; " \
                 "animation: none !important; }"
-JS_SEARCH_DONE = """() => typeof Search !== 'undefined' && Search.status &&
-  /finished|did not match/i.test(Search.status.innerText)"""
+# Sphinx's search says "finished" once it has asked for every result's page, and lists each
+# result only when that page (for its summary) has arrived: done is both, or no match, so that
+# the check does not navigate away while a summary is still loading (net::ERR_ABORTED)
+JS_SEARCH_DONE = """() => {
+  if (typeof Search === 'undefined' || !Search.status) return false;
+  const said = Search.status.innerText;
+  if (/did not match/i.test(said)) return true;
+  const found = said.match(/found (\\d+) page/i);
+  return /finished/i.test(said) && found !== null &&
+    document.querySelectorAll('#search-results li').length >= Number(found[1]);
+}"""
 
 
 # ---------------------------------------------------------------- server and browser
