@@ -6,7 +6,7 @@ Python writes there while the cell runs. Some of that can be a race, not the cha
 thread's traceback (a multiprocessing queue's feeder thread can get a BrokenPipeError when a
 DataLoader iterator abandoned mid-epoch has to terminate a slow worker), or an "Exception
 ignored in" from a finaliser that the garbage collector ran during this cell rather than the
-next. A fresh-clone run of `make test` in stop 25 failed on unexpected stderr in chapter 13's
+next. A fresh-clone run of `make test` in stop 25 failed on unexpected stderr in chapter 13's (now 14's)
 `spawn` pass, in a cell that abandons a 2-worker iterator; its log did not keep the text, and
 the runs before and after it passed. No stored output in this book has a stderr stream
 (tests/test_notebooks.py).

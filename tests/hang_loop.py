@@ -22,7 +22,7 @@ from utils import hangs  # noqa: E402
 
 NBVAL = ["--nbval", "--nbval-current-env", "--nbval-sanitize-with", "sanitize.cfg"]
 # (pytest arguments) of each target: every test that starts workers from a rank, and the
-# chapters whose ranks start workers most (5, 6, 7) or run the training scripts with them (11)
+# chapters whose ranks start workers most (5, 6, 7) or run the training scripts with them (11, 12)
 TARGETS = {
     "workers tests": ["tests/test_workers.py"],
     "examples in ranks": ["tests/test_examples.py", "-k", "ranks"],
@@ -33,6 +33,7 @@ TARGETS = {
     "chapter 6": [*NBVAL, "notebooks/06_seeding.ipynb"],
     "chapter 7": [*NBVAL, "notebooks/07_iterable_datasets.ipynb"],
     "chapter 11": [*NBVAL, "notebooks/11_cifar10_ddp.ipynb"],
+    "chapter 12": [*NBVAL, "notebooks/12_surviving_a_cluster.ipynb"],
 }
 
 

@@ -84,17 +84,19 @@ def test_every_chapter_that_starts_worker_processes_is_in_a_start_method_pass():
     assert starting <= set(listed), (
         f"add {sorted(starting - set(listed))} to PORTABLE_NOTEBOOKS in the Makefile")
     # the pattern still finds them
-    assert {"03_set_epoch", "05_workers", "11_cifar10_ddp"} <= starting
+    assert {"03_set_epoch", "05_workers", "11_cifar10_ddp", "12_surviving_a_cluster"} <= starting
     # the chapter that teaches start methods runs under spawn itself
     assert lists["SPAWN_NOTEBOOKS"] == ["05_workers"]
 
 
-def test_chapter_11_starts_workers_only_through_scripts_that_choose_their_start_method():
+def test_chapters_11_and_12_start_workers_only_through_scripts_that_choose_their_start_method():
     """OWN_START_NOTEBOOKS leave the portability pass because no worker of theirs follows
     the platform's start method: each script they run gives its loaders a context."""
     makefile = (ROOT / "Makefile").read_text()
-    assert makefile_list(makefile, "OWN_START_NOTEBOOKS") == ["11_cifar10_ddp"]
-    cells = nbformat.read(ROOT / "notebooks" / "11_cifar10_ddp.ipynb", as_version=4).cells
+    chapters = makefile_list(makefile, "OWN_START_NOTEBOOKS")
+    assert chapters == ["11_cifar10_ddp", "12_surviving_a_cluster"]
+    cells = [c for n in chapters
+             for c in nbformat.read(ROOT / "notebooks" / f"{n}.ipynb", as_version=4).cells]
     code = "\n".join(c.source for c in cells if c.cell_type == "code")
     assert "DataLoader(" not in code and "num_workers=" not in code
     for script in ("examples/train_ddp.py", "examples/train_single.py",
@@ -110,7 +112,7 @@ def test_chapter_11_starts_workers_only_through_scripts_that_choose_their_start_
 
 
 # A folder made with tempfile.mkdtemp outlives the kernel (nbval stops the kernel without
-# running atexit handlers), and chapter 11 writes hundreds of MB: every CI run would leave
+# running atexit handlers), and chapter 12 writes hundreds of MB: every CI run would leave
 # them. A chapter that makes one at top level removes it in its last code cell (folders
 # made inside another, with dir=, go with it).
 MKDTEMP = re.compile(r"^(\w+) = tempfile\.mkdtemp\((?![^)]*\bdir=)", re.M)

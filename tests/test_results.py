@@ -1,6 +1,6 @@
 """Every file in book/results/ says what code it measured (utils.results): a CPU results file whose
 sources changed since it was written fails here, with the command that remakes it. A file measured on a
-GPU cannot be remade on a CPU machine: chapter 11, which shows it, prints which of its sources changed."""
+GPU cannot be remade on a CPU machine: chapter 12, which shows it, prints which of its sources changed."""
 
 import glob
 import json
@@ -25,14 +25,14 @@ def test_each_results_file_was_measured_on_the_code_as_it_is_now(path):
     meta = record.get("meta", record)  # the loader benchmark keeps them in its "meta"
     assert meta.get("command") and meta.get("date")
     if record.get("gpu"):
-        return  # shown with its changed sources by chapter 11 (see below)
+        return  # shown with its changed sources by chapter 12 (see below)
     changed = results.stale(path)
     assert not changed, (f"{os.path.basename(path)} was measured on an earlier version of "
                          f"{', '.join(changed)}: run `{meta['command']}` again")
 
 
-def test_chapter_11_shows_which_sources_of_a_gpu_file_changed_since():
-    with open(os.path.join(results.ROOT, "notebooks", "11_cifar10_ddp.ipynb")) as f:
+def test_chapter_12_shows_which_sources_of_a_gpu_file_changed_since():
+    with open(os.path.join(results.ROOT, "notebooks", "12_surviving_a_cluster.ipynb")) as f:
         cells = ["".join(c["source"]) for c in json.load(f)["cells"] if c["cell_type"] == "code"]
     assert any("gpu_check_*.json" in c and "results.stale(" in c for c in cells)
 

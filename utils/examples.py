@@ -298,7 +298,7 @@ def split_range_per_worker(worker_id):
     stream.end = start + size * (g + 1) // total
 
 
-# --- chapter 12: loader throughput ----------------------------------------------------
+# --- chapter 13: loader throughput ----------------------------------------------------
 
 class IndexPid(Dataset):
     """Sample i is (i, the id of the process that loaded it), for ``n`` samples."""

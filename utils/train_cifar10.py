@@ -263,7 +263,7 @@ def eval_workers(workers: int) -> int:
     the training ones.
 
     They sit idle while the training workers run, but they are processes: a node runs
-    ``processes per node x (1 + workers + eval_workers(workers))`` of them (chapter 11's
+    ``processes per node x (1 + workers + eval_workers(workers))`` of them (chapter 12's
     CPU budget).
     """
     return min(workers, 2)
@@ -293,7 +293,7 @@ def init_process_group(backend: str, device: torch.device | None = None) -> None
 
     torchrun (2.14) keeps the store at ``MASTER_ADDR:MASTER_PORT`` across restarts, so
     restarted ranks that share it can read the addresses of the processes that died and
-    dial them (chapter 11 shows it). Numbering the attempts does not fix that for good:
+    dial them (chapter 12 shows it). Numbering the attempts does not fix that for good:
     ``TORCHELASTIC_RESTART_COUNT`` differs between nodes (only the agent whose worker
     failed counts a restart), and a count kept in the store is shifted for ever by a
     process that dies before it adds its 1. So every attempt gets a fresh store
