@@ -1,4 +1,4 @@
-"""A whole DDP training run: torchrun --standalone --nproc_per_node=2 minimal_ddp.py"""
+"""A whole DDP run: torchrun --standalone --nproc_per_node=2 examples/minimal_ddp.py"""
 import os
 
 import torch

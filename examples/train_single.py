@@ -51,8 +51,8 @@ def main():
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--no-augment", action="store_true")  # to compare runs exactly
     p.add_argument("--out", default="runs/train_single")
-    p.add_argument("--resume", action="store_true")  # with the same settings
-    p.add_argument("--stop-after-epoch", type=int)  # e.g. to fit a job's time limit
+    p.add_argument("--resume", action="store_true")  # the settings it was saved with
+    p.add_argument("--stop-after-epoch", type=int)  # to fit a time limit (0: none)
     args = p.parse_args()
 
     gpu = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
@@ -97,7 +97,7 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
                                 weight_decay=5e-4, nesterov=True)
     steps = args.epochs * len(train_loader)
-    if steps < 3:  # OneCycleLR: a warm-up of 2 steps at least, then 1 or more
+    if steps < 3:  # OneCycleLR: its peak at step 1 at the earliest, then a step more
         p.error(f"{steps} step(s) in all, 3 at least: more --epochs or data")
     scheduler = torch.optim.lr_scheduler.OneCycleLR(  # warm-up: a quarter of the steps
         optimizer, args.lr, steps, pct_start=max(.25, 2 / steps), cycle_momentum=False)
@@ -140,5 +140,5 @@ def main():
         os.replace(path + ".tmp", path)  # a process that dies leaves a whole file
 
 
-if __name__ == "__main__":  # the workers' fork server imports this file
+if __name__ == "__main__":  # every DataLoader worker imports this file (__mp_main__)
     main()

@@ -67,7 +67,7 @@ def test_every_block_says_how_it_is_tested():
 
 
 def test_the_blocks_run_from_a_fresh_clone(tmp_path):
-    script = ["set -e"]
+    script = ["set -e -o pipefail"]
     for number, (directive, code) in enumerate(blocks(PAGE.read_text()), start=1):
         tested = as_tested(directive, code)
         if tested is not None:
