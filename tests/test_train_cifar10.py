@@ -208,7 +208,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_one_agreed_checkpoint_and_t
     codes = set(re.findall(r"exitcode\s+: (-?\d+) \(pid", done.stderr))
     assert "75" in codes and codes <= {"75", "-15"}, done.stderr[-3000:]
     with open(os.path.join(out, "preempted.json")) as f:
-        assert {"step": 10, "signal": "SIGUSR1", "torchrun_restart": 0}.items() <= json.load(f).items()
+        assert {"step": 10, "signal": "SIGUSR1", "attempt": 0, "torchrun_restart": 0}.items() <= json.load(f).items()
     assert torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)["step"] == 10
     done = ok(hangs.run(cmd + ["--resume"], env=ENV, timeout=TIMEOUT))
     assert "epoch 1, step 2 of the epoch" in done.stdout
@@ -217,28 +217,67 @@ def test_a_signal_to_one_rank_stops_every_rank_after_one_agreed_checkpoint_and_t
     assert losses(out) == losses(two_ranks)
 
 
-# rank 1 sends SIGTERM to torchrun's agent during step 9, which passes it on to every rank's process
-# group, DataLoader workers included
-SIGTERM_TO_TORCHRUN = SIGNALLED_IN_STEP_9.replace("os.kill(os.getpid(), signal.SIGUSR1)",
-                                                  "os.kill(os.getppid(), signal.SIGTERM)")
+# rank 1 sends the signal during step 9 to every process of the run, as SLURM signals every process of
+# a job step (with --signal, at a time limit, on preemption or scancel): torchrun's agent, the ranks, each
+# rank's fork server and DataLoader workers
+TO_EVERY_PROCESS = """
+import os, signal, psutil
+import utils.train_cifar10 as train
+step = train.train_step
+signalled = []
+def alive(p):
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+def train_step(args, job, training, model, x, y):
+    if signalled and training.step == 9:  # a step later: did the workers live through it?
+        print(f"workers alive a step later: {sum(map(alive, signalled))} of {len(signalled)}", flush=True)
+    if job.rank == 1 and training.step == 8 and not args.resume:
+        agent = psutil.Process(os.getppid())
+        processes = [agent, *agent.children(recursive=True)]
+        servers = [p for p in processes if "forkserver" in " ".join(p.cmdline())]
+        workers = [w for server in servers for w in server.children()]
+        print(f"signalled {len(processes)} processes, {len(workers)} of them DataLoader workers",
+              flush=True)
+        for p in processes:
+            p.send_signal(signal.SIGNAL)
+        signalled.extend(workers)
+    return step(args, job, training, model, x, y)
+if __name__ == "__main__":
+    train.train_step = train_step
+    train.run()
+"""
 
 
-def test_a_sigterm_to_torchrun_with_dataloader_workers_stops_at_an_agreed_checkpoint_and_resumes_exactly(
-        data, two_ranks, tmp_path):
-    """On main the agent's SIGTERM also reached the ranks' DataLoader workers, which died, and the ranks
-    failed before any checkpoint (RuntimeError: DataLoader worker ... is killed by signal: Terminated)."""
-    script = tmp_path / "sigterm.py"
-    script.write_text(SIGTERM_TO_TORCHRUN)
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1"])
+def test_a_signal_to_every_process_with_dataloader_workers_stops_at_the_agreed_step_and_resumes_exactly(
+        data, two_ranks, tmp_path, name):
+    """On main a SIGTERM or SIGUSR1 to every process killed the DataLoader workers (a worker of a fork
+    server dies of either), and a rank that needed another batch from them failed before it could agree
+    or save ("DataLoader worker ... exited unexpectedly"). The agent hears it as well (with SIGUSR1 in --signals-to-handle, as
+    the SLURM recipe starts it) and passes it on to the ranks: the flag is set twice, the stop is one."""
+    script = tmp_path / "every_process.py"
+    script.write_text(TO_EVERY_PROCESS.replace("SIGNAL", name))
     out = str(tmp_path / "out")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           "--data", data, "--out", out, *WITH_WORKERS]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1", str(script), "--data", data, "--out", out,
+           *COMMON[:2], "--workers", "2", "--loader", "workers", *COMMON[4:]]
     done = hangs.run(cmd, env=ENV, timeout=TIMEOUT)
-    assert done.returncode != 0 and "SIGTERM: every rank stopped after step" in done.stdout, done.stderr[-3000:]
+    # the agent, 2 ranks, each rank's fork server and resource tracker, and 2 training and 2 test
+    # workers a rank, forked by its server
+    assert "signalled 15 processes, 8 of them DataLoader workers" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert done.returncode != 0 and f"{name}: every rank stopped after step 10" in done.stdout, done.stderr[-3000:]
+    # (the ranks would not notice dead workers before step 10: it takes batches prefetched before the signal)
+    assert "workers alive a step later: 8 of 8" in done.stdout, done.stdout
     with open(os.path.join(out, "preempted.json")) as f:
-        stopped = json.load(f)["step"]  # the agent's signal arrives when it arrives: step 10 or 16
-    assert torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)["step"] == stopped
-    ok(hangs.run(cmd + ["--resume"], env=ENV, timeout=TIMEOUT))
+        assert {"step": 10, "signal": name, "attempt": 0}.items() <= json.load(f).items()
+    # the checkpoint is the stopped step's, and the resume starts there (not at the periodic one of step 8)
+    assert torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)["step"] == 10
+    done = ok(hangs.run(cmd + ["--resume"], env=ENV, timeout=TIMEOUT))
+    assert "epoch 1, step 2 of the epoch (10 in all)" in done.stdout
     assert max_diff(final_params(two_ranks), final_params(out)) == 0.0
+    assert losses(out) == losses(two_ranks)
 
 
 def test_an_elastic_nnodes_range_is_refused_by_every_rank(data, tmp_path):

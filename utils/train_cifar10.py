@@ -73,7 +73,7 @@ from .gpu_loader import CIFAR_MEAN, CIFAR_STD, GPULoader, resident_bytes
 from .metrics import EvalShardSampler, sum_over_ranks
 from .samplers import ShardSampler
 from .seeding import derive_seed, sample_generator, seed_everything
-from .workers import WatchParent, worker_context
+from .workers import STOP_SIGNALS, WatchParent, ignore_stop_signals, worker_context
 
 CHECKPOINT = "checkpoint.pt"
 PREEMPTED = "preempted.json"  # rank 0 writes it when a signal stopped the run
@@ -750,7 +750,7 @@ def main(argv=None) -> None:
         return
     if args.deterministic:
         use_deterministic_algorithms()
-    with Preemption() as preemption:  # SIGTERM, SIGUSR1: stop at an agreed step
+    with Preemption() as preemption:  # SIGTERM, SIGUSR1, SIGINT: an agreed stop
         job = set_up_job(args)
         job.preemption = preemption
         data = build_data(args, job)
@@ -760,7 +760,7 @@ def main(argv=None) -> None:
         metrics = start_log(args, job, data)
         train(args, job, data, training, model, metrics)
         finish(args, job, training, metrics)
-    if training.stop_signal:
+    if training.stop_signal and training.epoch < args.epochs:
         raise SystemExit(EXIT_PREEMPTED)
 
 
@@ -909,16 +909,16 @@ def worker_start(workers: int):
 def shield_worker(worker_id: int) -> None:
     """A DataLoader worker leaves the signals to its rank (``Preemption``).
 
-    torchrun's agent passes a signal on to each rank's whole process group, and a
-    worker killed by it (a SIGTERM from another process than its rank kills it) makes
-    the rank fail before its checkpoint; a worker started by spawn or forkserver also
-    dies of SIGUSR1. In a process group of its own and ignoring SIGUSR1, the worker
-    goes on until its rank stops it. (A SIGTERM sent to every process, as SLURM sends
-    at a time limit without ``--signal``, still reaches it.)"""
+    torchrun's agent passes a signal on to each rank's whole process group, and SLURM
+    sends its signals to every process of a job step, workers included; a worker killed
+    by one makes its rank fail before the checkpoint ("DataLoader worker ... is killed by
+    signal: Terminated"). In a process group of its own and ignoring SIGTERM, SIGINT and
+    SIGUSR1 (``utils._detach``: its fork server ignores them before it forks, and torch's
+    worker loop puts its own SIGTERM handler back before this runs), the worker goes on
+    until its rank stops it, or its ``WatchParent`` sees the rank gone."""
     if hasattr(os, "setpgrp"):  # not on Windows
         os.setpgrp()
-    if hasattr(signal, "SIGUSR1"):
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    ignore_stop_signals()
 
 
 def batch_dtype(args) -> torch.dtype:
@@ -1030,20 +1030,27 @@ def resume_or_start(args, job: Job, data: Data, model: nn.Module, optimizer,
 
 
 def refuse_restart_after_preemption(args, job: Job) -> None:
-    """A signal stopped this torchrun job (its ``preempted.json`` names this job), and
-    torchrun restarted the ranks, as it does when the signal reached them but not its
-    agent: stop again with ``EXIT_PREEMPTED`` instead of training on (a new job, after
-    a requeue, resumes)."""
+    """A signal stopped this run (its ``preempted.json`` names this run), and torchrun
+    restarted the ranks, as it does when the signal reached them but not its agent:
+    stop again with ``EXIT_PREEMPTED`` instead of training on (a new job, after a
+    requeue, resumes).
+
+    "This run" is the same torchrun run id, SLURM job id *and* SLURM restart count (a
+    requeued job keeps its job id, and torchrun's run id is the job id in the SLURM
+    recipe), and "restarted" is the attempt number the ranks agreed on through the
+    store (``attempt_store``), not ``TORCHELASTIC_RESTART_COUNT``, which counts only
+    the restarts of this node's agent: so a requeued job whose first attempt fails is
+    restarted and resumes, instead of reading the last job's file as its own."""
     found = None
     path = os.path.join(args.out, PREEMPTED)
-    if job.master and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+    if job.master and int(os.environ.get("TRAIN_CIFAR10_ATTEMPT", 0)) > 0:
         try:
             with open(path) as f:
                 found = json.load(f)
         except (OSError, ValueError):
             found = None
-        if found and found.get("torchrun_run_id") != os.environ.get(
-                "TORCHELASTIC_RUN_ID"):
+        if found and any(found.get(key) != value
+                         for key, value in this_run().items()):
             found = None
     found = from_rank_0(found, job.ddp)
     if found:
@@ -1051,6 +1058,15 @@ def refuse_restart_after_preemption(args, job: Job) -> None:
               f"({path}); a restart does not go on: run the job again with --resume",
               file=sys.stderr, flush=True)
         raise SystemExit(EXIT_PREEMPTED)
+
+
+def this_run() -> dict:
+    """What names this run in ``preempted.json``: torchrun's run id, SLURM's job id and
+    restart (requeue) count, where set."""
+    env = os.environ.get
+    return {"torchrun_run_id": env("TORCHELASTIC_RUN_ID"),
+            "slurm_job_id": env("SLURM_JOB_ID"),
+            "slurm_restart": int(env("SLURM_RESTART_COUNT", 0))}
 
 
 def grad_scaler(enabled: bool):
@@ -1082,42 +1098,44 @@ def wrap_model(args, job: Job, training: Training) -> nn.Module:
 
 
 def save(args, training: Training, job: Job) -> None:
-    """Rank 0 writes the checkpoint; every rank waits for it."""
-    # mid-epoch, the epoch's loss so far (a collective: on every rank)
-    epoch_loss = (training.epoch_loss(job.world_size) if training.step_in_epoch
-                  else (0.0, 0))
-    if job.master:
-        keep_older(args, training)
-        save_checkpoint(training.path, {
-            "format": FORMAT, "model": training.model.state_dict(),
-            "optimizer": training.optimizer.state_dict(),
-            # a bound method in OneCycleLR's state before torch 2.4: not loadable
-            # with weights_only=True, and the new scheduler has its own
-            "scheduler": {k: v for k, v in training.scheduler.state_dict().items()
-                          if not callable(v)},
-            "scaler": training.scaler.state_dict(), "epoch": training.epoch,
-            "step_in_epoch": training.step_in_epoch, "step": training.step,
-            "epoch_loss": list(epoch_loss), "world_size": job.world_size,
-            "config": training.config})
-        training.saved_step = training.step
-        if training.stop_signal:  # before the barrier: no rank exits before it exists
-            write_preempted(args, training)
+    """Rank 0 writes the checkpoint (unless this step's is written already: a stop
+    agreed at a periodic save's step) and, after a stop, ``preempted.json``; every rank
+    waits for it."""
+    if training.saved_step != training.step:
+        # mid-epoch, the epoch's loss so far (a collective: on every rank)
+        epoch_loss = (training.epoch_loss(job.world_size) if training.step_in_epoch
+                      else (0.0, 0))
+        if job.master:
+            keep_older(args, training)
+            save_checkpoint(training.path, {
+                "format": FORMAT, "model": training.model.state_dict(),
+                "optimizer": training.optimizer.state_dict(),
+                # a bound method in OneCycleLR's state before torch 2.4: not loadable
+                # with weights_only=True, and the new scheduler has its own
+                "scheduler": {k: v for k, v in training.scheduler.state_dict().items()
+                              if not callable(v)},
+                "scaler": training.scaler.state_dict(), "epoch": training.epoch,
+                "step_in_epoch": training.step_in_epoch, "step": training.step,
+                "epoch_loss": list(epoch_loss), "world_size": job.world_size,
+                "config": training.config})
+        training.saved_step = training.step  # on every rank: they decide alike
+    if job.master and training.stop_signal and training.epoch < args.epochs:
+        write_preempted(args, training)  # before the barrier: no rank exits first
     if job.ddp:
         # nobody runs ahead of a checkpoint that may be needed to restart them
         dist.barrier()
 
 
 def write_preempted(args, training: Training) -> None:
-    """``preempted.json``: the step and signal, and which job wrote it (torchrun's run
-    id and restart count, SLURM's job id and requeue count, where set), so that a job
-    script can tell a file of its own run from an older one."""
+    """``preempted.json``: the step and signal, and which run wrote it (``this_run``),
+    with torchrun's restart count and the agreed attempt, so that a job script can tell
+    a file of its own run from an older one."""
     env = os.environ.get
     record = {"step": training.step,
               "signal": signal.Signals(training.stop_signal).name,
-              "torchrun_run_id": env("TORCHELASTIC_RUN_ID"),
+              **this_run(),
               "torchrun_restart": int(env("TORCHELASTIC_RESTART_COUNT", 0)),
-              "slurm_job_id": env("SLURM_JOB_ID"),
-              "slurm_restart": int(env("SLURM_RESTART_COUNT", 0))}
+              "attempt": int(env("TRAIN_CIFAR10_ATTEMPT", 0))}
     write_atomically(os.path.join(args.out, PREEMPTED),
                      lambda f: f.write(json.dumps(record).encode()))
 
@@ -1179,9 +1197,13 @@ def train(args, job: Job, data: Data, training: Training, model: nn.Module,
             break
     if training.stop_signal and job.master:
         name = signal.Signals(training.stop_signal).name
-        print(f"{name}: every rank stopped after step {training.step}, saved in "
-              f"{training.path}; exit code {EXIT_PREEMPTED}: resume with --resume",
-              flush=True)
+        if training.epoch < args.epochs:
+            print(f"{name}: every rank stopped after step {training.step}, saved in "
+                  f"{training.path}; exit code {EXIT_PREEMPTED}: resume with --resume",
+                  flush=True)
+        else:  # nothing left to resume: a requeue would be for nothing
+            print(f"{name} after the last step ({training.step}): the run is complete",
+                  flush=True)
 
 
 def train_epoch(args, job: Job, data: Data, training: Training, model: nn.Module,
@@ -1247,10 +1269,11 @@ STOP_CHECK_EVERY = 10
 
 
 class Preemption:
-    """SIGTERM and SIGUSR1 (what a scheduler sends before it kills a job) set a flag;
-    every ``STOP_CHECK_EVERY`` steps, and after an epoch's last step, the ranks agree on
-    it, so that all stop after the same step, write one checkpoint and exit with
-    ``EXIT_PREEMPTED``.
+    """SIGTERM, SIGUSR1 (what a scheduler sends before it kills a job) and SIGINT (a
+    Ctrl-C, or ``scancel --signal=INT``) set a flag; every ``STOP_CHECK_EVERY`` steps,
+    and after an epoch's last step, the ranks agree on it, so that all stop after the
+    same step, write one checkpoint and exit with ``EXIT_PREEMPTED``. A second SIGINT
+    in the same process raises ``KeyboardInterrupt`` at once, as Python's default does.
 
     The handlers are installed in the main thread (where Python allows them), and the
     previous ones restored after the run, unless a signal stopped it: then they stay,
@@ -1263,10 +1286,8 @@ class Preemption:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            for name in ("SIGTERM", "SIGUSR1"):  # no SIGUSR1 on Windows
-                if hasattr(signal, name):
-                    sig = getattr(signal, name)
-                    self._previous[sig] = signal.signal(sig, self._note)
+            for sig in STOP_SIGNALS:  # no SIGUSR1 on Windows
+                self._previous[sig] = signal.signal(sig, self._note)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -1276,6 +1297,8 @@ class Preemption:
             signal.signal(sig, handler)
 
     def _note(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.signal == signal.SIGINT:
+            raise KeyboardInterrupt  # Ctrl-C twice: no wait for the agreed step
         self.signal = self.signal or signum
 
     def agreed(self, job) -> int:

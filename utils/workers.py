@@ -38,11 +38,22 @@ from typing import Callable
 
 import psutil
 
-__all__ = ["PRELOAD", "worker_context", "WatchParent", "parent_alive",
-           "exit_when_orphaned"]
+__all__ = ["PRELOAD", "STOP_SIGNALS", "worker_context", "WatchParent", "parent_alive",
+           "exit_when_orphaned", "ignore_stop_signals"]
 
 # What a fork server imports before it forks any worker: what every book data set needs.
 PRELOAD = ("torch", "torch.distributed", "cloudpickle", "utils")
+# What a scheduler or a terminal sends to stop a job (SLURM signals every process of a
+# job step, workers included): a worker that leaves the stop to its rank ignores them.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1")
+                     if hasattr(signal, name))
+
+
+def ignore_stop_signals() -> None:
+    """This process ignores ``STOP_SIGNALS``, as do the processes it forks later (a
+    fork server's workers)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def worker_context(*preload: str, detach: bool = False) -> mp.context.BaseContext:
@@ -53,7 +64,8 @@ def worker_context(*preload: str, detach: bool = False) -> mp.context.BaseContex
     ``preload`` (module names: the module that defines the data set, say) imported once
     in the server; ``spawn`` elsewhere. ``detach=True``: the server leaves this
     process's process group as it starts (``utils._detach``), so a signal sent to the
-    group (torchrun's agent sends SIGTERM so) does not end it, and with it every worker;
+    group (torchrun's agent sends SIGTERM so) does not end it, and with it every worker,
+    and it ignores ``STOP_SIGNALS``, as its workers do (SLURM signals every process);
     give such workers :class:`WatchParent`, since the group's ``SIGKILL`` no longer
     reaches them either. The preload list is the process's: it applies to the fork
     server this process starts next, and to none already running.
