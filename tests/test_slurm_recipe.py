@@ -1,9 +1,12 @@
 """examples/slurm/train_cifar10.sbatch, run as Slurm would run it on two nodes, with the fake srun and
 scontrol of tests/fake_slurm: every task runs on this machine, the two "nodes" meet on 127.0.0.1, and
-train on the CPU (gloo). The data is staged first, as on a login node. A job with no staged data stops
-before it starts anything; a job that fails is not requeued; a job signalled as Slurm does before its
-time limit saves and requeues itself, and the requeued job trains to the end (one job that runs to its
-end costs as much as a whole one without the signal, so the test of a whole job is that one)."""
+train on the CPU (gloo), with DataLoader workers. The data is staged first, as on a login node. A job
+with no staged data stops before it starts anything; a job that fails is not requeued, even with a
+preempted.json of the same job's previous run; and one job's whole life: warned before its time limit,
+it saves and requeues itself; requeued, its first attempt fails on rank 0's node, is restarted and
+resumes; SIGTERM then reaches it as at a time limit, its save cannot finish, and it is requeued anyway;
+requeued again, it resumes from the last complete checkpoint and trains to the end (a job that runs to
+its end costs as much as a whole one, so the test of a whole job is that one)."""
 
 import json
 import os
@@ -48,10 +51,10 @@ def job_env(tmp_path, data, **variables):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_", "PET_", "TORCHELASTIC_"))}
     env.update(PATH=f"{FAKE_SLURM}{os.pathsep}{env['PATH']}", FAKE_SLURM_LOG=str(tmp_path / "slurm"),
                SLURM_JOB_ID="4242", SLURM_JOB_NAME="cifar10", SLURM_JOB_NODELIST="node[1-2]", SLURM_NNODES="2",
-               SLURM_CPUS_PER_TASK="1", SLURM_SUBMIT_DIR=str(ROOT), OMP_NUM_THREADS="1",
+               SLURM_CPUS_PER_TASK="3", SLURM_SUBMIT_DIR=str(ROOT), OMP_NUM_THREADS="1",
                DATA=str(data), OUT=str(tmp_path / "out"), GPUS_PER_NODE="1", EPOCHS="1",
                TRAIN_ARGS="--device cpu --global-batch 64 --workers 0", RDZV_PORT=str(free_port()),
-               PYTHON=sys.executable)
+               PYTHON=sys.executable, LOOPBACK_OK="1")
     env.update(variables)
     return env
 
@@ -98,11 +101,13 @@ def test_without_staged_data_the_job_stops_before_starting_anything(tmp_path):
 def test_a_failed_run_is_not_requeued_even_with_a_preemption_file_left_from_before(staged, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    # from an earlier job that was preempted; this one fails before it could resume
-    (out / "preempted.json").write_text('{"step": 3, "signal": "SIGUSR1"}')
-    os.utime(out / "preempted.json", (1e9, 1e9))
+    # from this job's previous run (the same job id, one requeue less), which was preempted; this run
+    # fails before it could resume
+    (out / "preempted.json").write_text(json.dumps({
+        "step": 3, "signal": "SIGUSR1", "torchrun_run_id": "4242", "slurm_job_id": "4242",
+        "slurm_restart": 0, "torchrun_restart": 0, "attempt": 0}))
     # 63 does not split over 2 processes: every rank stops with a message
-    done = sbatch(job_env(tmp_path, staged, MAX_RESTARTS="0",
+    done = sbatch(job_env(tmp_path, staged, MAX_RESTARTS="0", SLURM_RESTART_COUNT="1",
                           TRAIN_ARGS="--device cpu --global-batch 63 --workers 0"))
     assert done.returncode != 0
     assert "error: training failed" in done.stderr and "not requeued" in done.stderr
@@ -110,71 +115,218 @@ def test_a_failed_run_is_not_requeued_even_with_a_preemption_file_left_from_befo
     assert "does not split evenly" in (out / "logs" / "cifar10-4242-node1.out").read_text()
 
 
+# a task that starts a process in a session of its own (as torchrun starts its ranks), notes the
+# signals each of the two gets, and ends when told to
+TASK = """
+trap 'echo task >> "$FAKE_LOG"' USR1
+setsid bash -c 'trap "echo orphan >> \\"\\$FAKE_LOG\\"" USR1; while :; do sleep 0.1; done' &
+echo $! > "$FAKE_PID"
+while [ ! -e "$FAKE_GO" ]; do sleep 0.1; done
+"""
+
+
+def test_the_fake_srun_signals_every_process_of_the_step_and_kills_what_a_task_leaves(tmp_path):
+    """As Slurm does (its cgroup holds every process of the step, whatever its session or parent), and
+    as the recipe's tests need: a signal reaches torchrun's ranks directly, and a node whose torchrun
+    has ended keeps none of its processes."""
+    import psutil
+
+    log, pid_file, go = tmp_path / "log", tmp_path / "pid", tmp_path / "go"
+    env = {**job_env(tmp_path, tmp_path), "FAKE_LOG": str(log), "FAKE_PID": str(pid_file),
+           "FAKE_GO": str(go)}
+    srun = subprocess.Popen([str(FAKE_SLURM / "srun"), "--nodes=1", "bash", "-c", TASK], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            assert time.monotonic() < deadline and srun.poll() is None
+            time.sleep(0.05)
+        orphan = int(pid_file.read_text())
+        os.kill(srun.pid, signal.SIGUSR1)
+        while sorted(log.read_text().split()) != ["orphan", "task"] if log.exists() else True:
+            assert time.monotonic() < deadline, log.read_text() if log.exists() else "no signal arrived"
+            time.sleep(0.05)
+        go.touch()
+        assert srun.wait(30) == 0
+        deadline = time.monotonic() + 5
+        while psutil.pid_exists(orphan) and psutil.Process(orphan).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the task's process outlived it"
+            time.sleep(0.05)
+    finally:
+        srun.kill()
+        if pid_file.exists() and pid_file.read_text().strip():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_loopback_head_address_with_two_nodes_stops_before_training(staged, tmp_path):
+    env = job_env(tmp_path, staged)
+    del env["LOOPBACK_OK"]
+    done = sbatch(env, timeout=30)
+    assert done.returncode == 1 and "a loopback address that the other nodes cannot reach" in done.stderr
+    assert len(srun_calls(tmp_path)) == 1  # the address lookup only: no training step
+
+
+# a training module that is stopped by a signal at once: it writes this run's preempted.json, exits 75
+PREEMPTED_AT_ONCE = """
+import json, os, sys
+out = sys.argv[sys.argv.index("--out") + 1]
+if os.environ["RANK"] == "0":
+    with open(os.path.join(out, "preempted.json"), "w") as f:
+        json.dump({"step": 0, "signal": "SIGUSR1", "slurm_job_id": os.environ["SLURM_JOB_ID"],
+                   "slurm_restart": int(os.environ["SLURM_RESTART_COUNT"])}, f)
+sys.exit(75)
+"""
+
+
+def test_a_job_requeued_max_requeues_times_is_not_requeued_again(staged, tmp_path):
+    (tmp_path / "preempted_at_once.py").write_text(PREEMPTED_AT_ONCE)
+    done = sbatch(job_env(tmp_path, staged, SLURM_RESTART_COUNT="2", MAX_REQUEUES="2", MAX_RESTARTS="0",
+                          TRAIN_MODULE="preempted_at_once", PYTHONPATH=str(tmp_path)))
+    assert done.returncode == 1 and "preempted (" in done.stderr, done.stdout + done.stderr
+    assert "not requeued: this job has been requeued 2 times (MAX_REQUEUES=2)" in done.stderr
+    assert requeues(tmp_path) == []
+
+
 def training_srun(job_pid):
-    """The fake srun of the job's training step (the one with --wait=120)."""
+    """The fake srun of the job's training step (the one that runs TRAIN_MODULE)."""
     for pid in process_tree(job_pid):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(arg.endswith(b"fake_slurm/srun") for arg in argv) and b"--wait=120" in argv:
+        if any(arg.endswith(b"fake_slurm/srun") for arg in argv) and b"node-task" in argv:
             return pid
     return None
 
 
-def test_a_signalled_job_saves_requeues_itself_and_the_requeued_job_trains_to_the_end_on_two_nodes(
-        tmp_path):
-    """Slurm's --signal=USR1@120: SIGUSR1 to the training step (here the fake srun, which passes it to
-    each node's torchrun, which passes it to its ranks) stops every rank after one agreed step with a
-    checkpoint; the job requeues itself; the requeued job (same job id) resumes and trains to the end
-    on two nodes, from node-local copies of the data, with a log per node and no second requeue."""
-    data = stage(tmp_path / "data", train=2560)  # 40 steps an epoch: time for the signal to land
-    local = tmp_path / "node-local"
-    env = job_env(tmp_path, data, EPOCHS="2", LOCAL_DATA=str(local),
-                  TRAIN_ARGS="--device cpu --global-batch 64 --workers 0 --checkpoint-every 5")
-    out = tmp_path / "out"
-    job = subprocess.Popen(["bash", str(SBATCH)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+# The job's training module in its first requeued run (SLURM_RESTART_COUNT=1): global rank 0 fails once
+# the group has formed, before it resumes (as a bad GPU or a file system error would), in its node's
+# first attempt; and the save after a stop takes longer than torchrun's shutdown timeout (a slow shared
+# file system).
+FAULTY = """
+import os, time
+import utils.train_cifar10 as train
+
+save, build_data = train.save, train.build_data
+
+def failing_build_data(args, job):
+    if job.rank == 0 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        print("rank 0 fails before it resumes", flush=True)
+        os._exit(1)
+    return build_data(args, job)
+
+def slow_save(args, training, job):
+    if training.stop_signal:
+        time.sleep(120)
+    return save(args, training, job)
+
+if __name__ == "__main__":
+    if os.environ.get("SLURM_RESTART_COUNT") == "1":
+        train.build_data, train.save = failing_build_data, slow_save
+    train.run()
+"""
+
+
+def start_job(env):
+    return subprocess.Popen(["bash", str(SBATCH)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def signal_when(job, ready, signals):
+    """Once ready() is true, each (signal, "job" or "step") in turn: to the batch script, or to every
+    process of the training step (the fake srun passes it on to each, as Slurm sends it); then the job's
+    (stdout, stderr)."""
     try:
         deadline = time.monotonic() + TIMEOUT
-        while not (out / "checkpoint.pt").exists():  # after step 5
-            assert job.poll() is None and time.monotonic() < deadline, "no checkpoint"
+        while not ready():
+            assert job.poll() is None and time.monotonic() < deadline, "never ready"
             time.sleep(0.05)
-        os.kill(training_srun(job.pid), signal.SIGUSR1)
+        for sig, to in signals:
+            os.kill(job.pid if to == "job" else training_srun(job.pid), sig)
         (stdout, stderr), = hangs.communicate([job], TIMEOUT)
     finally:
         if job.poll() is None:
             for pid in process_tree(job.pid):
                 os.kill(pid, signal.SIGKILL)
-    assert job.returncode == 0, stdout + stderr
-    stopped = json.loads((out / "preempted.json").read_text())
-    assert stopped["signal"] == "SIGUSR1" and 5 <= stopped["step"] < 80
-    assert "preempted (" in stdout and requeues(tmp_path) == ["requeue 4242"]
-    assert not (out / "model_final.pt").exists()
-    assert f"SIGUSR1: every rank stopped after step {stopped['step']}" in (
-        out / "logs" / "cifar10-4242-node1.out").read_text()
+    return stdout, stderr
 
-    # Slurm starts the requeued job with the same id, on the same or other nodes
-    done = sbatch({**env, "SLURM_RESTART_COUNT": "1"})
+
+def checkpoint_step(out):
+    import torch
+
+    return torch.load(out / "checkpoint.pt", weights_only=True)["step"]
+
+
+def test_a_job_warned_restarted_and_killed_during_its_save_requeues_itself_and_trains_to_the_end(tmp_path):
+    """One job's runs, with DataLoader workers (2 training, 2 test a rank) and a checkpoint every 5 steps.
+
+    0. Slurm's warning (--signal=B:USR1@120) reaches the batch script, which passes SIGTERM to every
+       process of the training step: every rank stops after one agreed step with its checkpoint, and
+       the job requeues itself.
+    1. Requeued (same job id, SLURM_RESTART_COUNT=1), its first attempt fails on rank 0's node before
+       it resumes; torchrun restarts it and it resumes (on main, the restarted rank 0 read the
+       previous run's preempted.json as its own, exited 75 at every restart, and the job failed for
+       good). Then SIGTERM to the batch script and to every process of the step, as Slurm sends at a
+       time limit; the save after the stop cannot finish before torchrun's shutdown timeout, and the
+       job is requeued anyway (on main: "training failed, not requeued").
+    2. Requeued again, it resumes from the last complete checkpoint and trains to the end on two nodes,
+       from node-local copies of the data, with a log per node and no third requeue."""
+    data = stage(tmp_path / "data", train=2560)  # 40 steps an epoch: time for the signals to land
+    local = tmp_path / "node-local"
+    (tmp_path / "faulty_train.py").write_text(FAULTY)
+    env = job_env(tmp_path, data, EPOCHS="2", LOCAL_DATA=str(local), SHUTDOWN_TIMEOUT="5",
+                  TRAIN_MODULE="faulty_train", PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}",
+                  TRAIN_ARGS="--device cpu --global-batch 64 --workers 2 --loader workers "
+                             "--checkpoint-every 5")
+    out = tmp_path / "out"
+
+    # 0: warned once the first checkpoint (step 5) exists
+    stdout, stderr = signal_when(start_job(env), (out / "checkpoint.pt").exists,
+                                 [(signal.SIGUSR1, "job")])
+    stopped = json.loads((out / "preempted.json").read_text())
+    assert stopped["signal"] == "SIGTERM" and stopped["slurm_restart"] == 0, stdout + stderr
+    # the checkpoint is the stopped step's (the ranks agree every 10 steps)
+    assert stopped["step"] % 10 == 0 and checkpoint_step(out) == stopped["step"]
+    assert "SIGUSR1: every rank stops" in stdout and "preempted (" in stdout, stdout + stderr
+    assert requeues(tmp_path) == ["requeue 4242"] and not (out / "model_final.pt").exists()
+    node1 = out / "logs" / "cifar10-4242-node1.out"
+    assert f"SIGTERM: every rank stopped after step {stopped['step']}" in node1.read_text()
+
+    # 1: requeued; signalled once it has saved a checkpoint of its own
+    env1 = {**env, "SLURM_RESTART_COUNT": "1"}
+    stdout, stderr = signal_when(start_job(env1), lambda: checkpoint_step(out) > stopped["step"],
+                                 [(signal.SIGTERM, "job"), (signal.SIGTERM, "step")])
+    log = node1.read_text()
+    assert "rank 0 fails before it resumes" in log and (
+        f"resumed from {out / 'checkpoint.pt'}: epoch {stopped['step'] // 40}, step "
+        f"{stopped['step'] % 40} of the epoch") in log
+    assert "SIGTERM: every rank stops" in stdout and "the save did not finish" in stdout, stdout + stderr
+    assert requeues(tmp_path) == ["requeue 4242"] * 2 and not (out / "preempted.json").exists()
+    last_good = checkpoint_step(out)
+    assert stopped["step"] < last_good < 80 and last_good % 5 == 0
+
+    # 2: requeued again, to the end
+    done = sbatch({**env, "SLURM_RESTART_COUNT": "2"})
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "job 4242 (restart 1)" in done.stdout
+    assert "job 4242 (restart 2)" in done.stdout
     assert f"done: {out / 'model_final.pt'}" in done.stdout
     assert (out / "model_final.pt").exists() and not (out / "preempted.json").exists()
-    assert requeues(tmp_path) == ["requeue 4242"]  # the first job's only
+    assert requeues(tmp_path) == ["requeue 4242"] * 2
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["epoch"] == 2 and last["step"] == 80 and last["world_size"] == 2
     # the head node's address was looked up on the head node, and is where the ranks met
     assert "rendezvous at 127.0.0.1:" in done.stdout and "on node1;" in done.stdout
-    assert "loopback address" in done.stderr  # every fake node is this machine
-    lookup, copy, training = srun_calls(tmp_path)[-3:]  # the requeued job's
+    lookup, copy, training = srun_calls(tmp_path)[-3:]  # this run's
     assert "-w node1 hostname --ip-address" in lookup
     assert "--ntasks-per-node=1" in copy and (local / "cifar-10-batches-py").is_dir()
-    # the job's --cpus-per-task reaches srun (Slurm >= 22.05 needs SRUN_CPUS_PER_TASK for it)
-    assert training.startswith("cpus-per-task=1 ") and "--kill-on-bad-exit=0 --wait=120" in training
+    # the job's --cpus-per-task reaches each task (Slurm >= 22.05 needs SRUN_CPUS_PER_TASK for it)
+    assert training.startswith("cpus-per-task=3 ") and "--kill-on-bad-exit=0 --wait=35" in training
     logs = out / "logs"
     node1, node2 = ((logs / f"cifar10-4242-{node}.out").read_text() for node in ("node1", "node2"))
-    assert node1.startswith("== node1: node 0 of 2, job 4242")
-    assert node2.startswith("== node2: node 1 of 2, job 4242")
+    assert "== node1: node 0 of 2, job 4242, 3 CPUs" in node1
+    assert "== node2: node 1 of 2, job 4242, 3 CPUs" in node2
     # rank 0 (on the head node) logs; the data came from the node-local copy
-    assert f"resumed from {out / 'checkpoint.pt'}" in node1
+    assert f"resumed from {out / 'checkpoint.pt'}: epoch {last_good // 40}, step {last_good % 40} " in node1
     assert f"synthetic CIFAR-10 in {local}:" in node1 and "2 process(es), cpu, gloo" in node1
