@@ -319,7 +319,9 @@ def test_a_job_warned_restarted_and_killed_during_its_save_requeues_itself_and_t
     # the head node's address was looked up on the head node, and is where the ranks met
     assert "rendezvous at 127.0.0.1:" in done.stdout and "on node1;" in done.stdout
     lookup, copy, training = srun_calls(tmp_path)[-3:]  # this run's
-    assert "-w node1 hostname --ip-address" in lookup
+    assert "-w node1 bash -c" in lookup and "hostname --ip-address" in lookup
+    # each node's torchrun is reached at its own address (every fake node's: 127.0.0.1)
+    assert "--local-addr=\"$local_addr\"" in training.replace("\\", "")
     assert "--ntasks-per-node=1" in copy and (local / "cifar-10-batches-py").is_dir()
     # the job's --cpus-per-task reaches each task (Slurm >= 22.05 needs SRUN_CPUS_PER_TASK for it)
     assert training.startswith("cpus-per-task=3 ") and "--kill-on-bad-exit=0 --wait=35" in training

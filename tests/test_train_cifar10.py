@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -454,6 +455,46 @@ def test_restarted_ranks_agree_on_the_attempt_when_only_one_node_counted_a_resta
     codes, outs, errs = attempt([0, 1])  # node 1 counted a restart, node 0 did not
     assert codes == [0, 0], errs
     assert [o.strip() for o in outs] == ["attempt 1 sum 2"] * 2
+
+
+# rank 1 stops responding in step 3 (a file system that never answers, a stuck kernel)
+STUCK_IN_STEP_3 = """
+import time
+import utils.train_cifar10 as train
+step = train.train_step
+def train_step(args, job, training, model, x, y):
+    if job.rank == 1 and training.step == 2:
+        time.sleep(300)
+    return step(args, job, training, model, x, y)
+if __name__ == "__main__":
+    train.train_step = train_step
+    train.run()
+"""
+
+
+def test_after_the_first_step_a_hung_rank_fails_the_others_within_the_step_timeout(data, tmp_path):
+    """On main the group had torch's default timeout (30 minutes for gloo, 10 for nccl) all along, and
+    --init-timeout/--step-timeout did not exist: rank 0 waited for rank 1 half an hour."""
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_IN_STEP_3)
+    start = time.monotonic()
+    done = forkrun.run(str(script), ["--data", data, "--out", str(tmp_path / "out"), *COMMON,
+                                     "--init-timeout", "120", "--step-timeout", "4"],
+                       nproc=2, env=ENV, timeout=TIMEOUT, grace=2)
+    # rank 0's collective in step 3 timed out (gloo: "Timed out waiting 4000ms"), and forkrun, like
+    # torchrun, stopped the other rank
+    assert done.returncode != 0 and time.monotonic() - start < 60, done.stderr[-3000:]
+    assert "4000ms" in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("args, message", [(["--step-timeout", "0"], "--step-timeout must be positive"),
+                                           (["--init-timeout", "-1"], "--init-timeout must be positive")])
+def test_timeouts_must_be_positive(args, message, capsys):
+    from utils.train_cifar10 import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(args)
+    assert message in capsys.readouterr().err
 
 
 def test_nodes_whose_data_differ_stop_with_a_message_instead_of_hanging(tmp_path):

@@ -107,7 +107,7 @@ def test_a_resume_on_a_count_that_does_not_split_checks_the_checkpoint_first(
     first, and the message lists the counts its global batch splits over."""
     out = tiny_run(tmp_path, "--stop-at-step", "2")
     three = (False, 0, 0, 3, torch.device("cpu"))  # as rank 0 of 3 would see it
-    monkeypatch.setattr(train, "setup_distributed", lambda device: three)
+    monkeypatch.setattr(train, "setup_distributed", lambda device, timeout: three)
     common = ["--data", str(tmp_path / "data"), "--out", str(out), "--resume",
               "--epochs", "1", "--device", "cpu", "--workers", "0"]
     with pytest.raises(SystemExit, match=r"cannot resume .*--global-batch 66 "

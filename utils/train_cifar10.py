@@ -56,6 +56,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -159,6 +160,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "is up (resume with --resume)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (logs only)")
+    p.add_argument("--init-timeout", type=float, default=1800, metavar="SECONDS",
+                   help="how long a collective may wait until every rank's first step "
+                        "is done: joining the group, data prepared per node, the first "
+                        "step (default 1800)")
+    p.add_argument("--step-timeout", type=float, default=300, metavar="SECONDS",
+                   help="how long a collective may wait after the first step, before "
+                        "the rank fails (a hang becomes a restart): more than a "
+                        "checkpoint's write, which the other ranks wait for "
+                        "(default 300)")
     args = p.parse_args(argv)
     check_args(p, args)
     return args
@@ -174,8 +184,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be 0 or more, "
                     f"got {getattr(args, name)}")
-    if not args.lr > 0:
-        p.error(f"--lr must be positive, got {args.lr}")
+    for name in ("lr", "init_timeout", "step_timeout"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} must be positive, "
+                    f"got {getattr(args, name)}")
     if min(args.synthetic_size) < 5:
         p.error(f"--synthetic-size needs two numbers of at least 5, "
                 f"got {args.synthetic_size}")
@@ -288,8 +300,11 @@ def one_cycle(optimizer: torch.optim.Optimizer, peak_lr: float, total_steps: int
                                                cycle_momentum=False)
 
 
-def init_process_group(backend: str, device: torch.device | None = None) -> None:
-    """``init_process_group`` on a store of this attempt's own, hosted by its rank 0.
+def init_process_group(backend: str, device: torch.device | None = None,
+                       timeout: timedelta | None = None) -> None:
+    """``init_process_group`` on a store of this attempt's own, hosted by its rank 0,
+    with ``timeout`` for its collectives (torch's default: 10 minutes for ``nccl``, 30
+    for ``gloo``), until ``shorten_timeouts``.
 
     torchrun (2.14) keeps the store at ``MASTER_ADDR:MASTER_PORT`` across restarts, so
     restarted ranks that share it can read the addresses of the processes that died and
@@ -308,11 +323,30 @@ def init_process_group(backend: str, device: torch.device | None = None) -> None
     os.environ["TRAIN_CIFAR10_ATTEMPT"] = str(attempt)
     # device_id binds this rank's GPU to the group: barriers use it
     extra = {"device_id": device} if backend == "nccl" else {}
+    if timeout is not None:
+        extra["timeout"] = timeout
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             **extra)
 
 
 FIND_STORE_SECONDS = 600  # how long ranks wait for their rank 0's store
+
+
+def shorten_timeouts(job, seconds: float) -> None:
+    """After this process's first step: a collective that waits ``seconds`` has hung
+    (a rank stuck in a file system, a dead peer that never reached it), and the rank
+    fails instead of waiting for the long start-up timeout, so that torchrun restarts
+    the job (torchtitan, too, shortens its timeout after the first step). On the group
+    of the training and on the preemption flag's."""
+    if not job.ddp:
+        return
+    set_timeout = (getattr(dist, "set_timeout", None)  # torch >= 2.10
+                   or getattr(dist.distributed_c10d, "_set_pg_timeout", None))
+    if set_timeout is None:  # an older torch: the start-up timeout stays
+        return
+    set_timeout(timedelta(seconds=seconds))  # the default group
+    if job.control is not None:
+        set_timeout(timedelta(seconds=seconds), job.control)
 
 
 def attempt_store(shared, host: str, rank: int, world_size: int):
@@ -326,8 +360,6 @@ def attempt_store(shared, host: str, rank: int, world_size: int):
     publish. Rank 0 also checks that the world size has not changed between attempts
     (an elastic ``--nnodes``); its refusal reaches every rank.
     """
-    from datetime import timedelta
-
     if rank == 0:
         own = dist.TCPStore(host, 0, world_size, True, wait_for_workers=False)
         attempt = shared.add("train_cifar10/attempts", 1) - 1
@@ -369,9 +401,10 @@ def attempt_store(shared, host: str, rank: int, world_size: int):
                      f"rank 0 start?")
 
 
-def setup_distributed(device_choice: str) -> tuple[bool, int, int, int, torch.device]:
+def setup_distributed(device_choice: str, timeout: timedelta | None = None
+                      ) -> tuple[bool, int, int, int, torch.device]:
     """``(ddp, rank, local_rank, world_size, device)``; ``RANK`` in the environment
-    means torchrun started us."""
+    means torchrun started us. ``timeout``: the group's, until the first step."""
     cuda_available = torch.cuda.is_available()
     if device_choice == "cuda" and not cuda_available:
         raise SystemExit("error: --device cuda, but torch.cuda.is_available() is False "
@@ -391,7 +424,7 @@ def setup_distributed(device_choice: str) -> tuple[bool, int, int, int, torch.de
                    torch.cuda.device_count())
         # one GPU per process, before anything touches CUDA
         torch.cuda.set_device(device)
-    init_process_group("nccl" if cuda else "gloo", device)
+    init_process_group("nccl" if cuda else "gloo", device, timeout)
     return True, dist.get_rank(), local_rank, dist.get_world_size(), device
 
 
@@ -814,7 +847,9 @@ class Job:
 
 def set_up_job(args) -> Job:
     """The process group and the device, then the checks that need them."""
-    ddp, rank, local_rank, world_size, device = setup_distributed(args.device)
+    init_timeout = timedelta(seconds=args.init_timeout)
+    ddp, rank, local_rank, world_size, device = setup_distributed(args.device,
+                                                                  init_timeout)
     cuda = device.type == "cuda"
     if (args.amp or args.sync_bn) and not cuda:
         raise SystemExit("error: --amp and --sync-bn need CUDA; this run is on the CPU")
@@ -833,7 +868,8 @@ def set_up_job(args) -> Job:
     channels_last = args.channels_last == "yes" or (args.channels_last == "auto"
                                                     and cuda)
     # preemption flags are agreed on over gloo: a CPU tensor, no wait for the GPU
-    control = dist.new_group(backend="gloo") if ddp and cuda else None
+    control = (dist.new_group(backend="gloo", timeout=init_timeout) if ddp and cuda
+               else None)
     return Job(ddp, rank, local_rank, world_size, device, batch_size, channels_last,
                control)
 
@@ -981,6 +1017,7 @@ class Training:
     # reseed before every step (None: not known before this process's first step, which
     # reseeds and looks whether anything drew random numbers)
     reseed: bool | None = None
+    stepped: bool = False  # this process has done a step: short timeouts from then on
 
     def epoch_loss(self, world_size: int) -> tuple[float, int]:
         """``(sum of the global batches' mean losses, their number)`` for the epoch so
@@ -1223,6 +1260,9 @@ def train_epoch(args, job: Job, data: Data, training: Training, model: nn.Module
             # a crash during this step, for the fault-tolerance test: no cleanup
             os._exit(1)
         loss = train_step(args, job, training, model, x, y)
+        if not training.stepped:
+            shorten_timeouts(job, args.step_timeout)
+            training.stepped = True
         training.step, training.step_in_epoch = (training.step + 1,
                                                  training.step_in_epoch + 1)
         training.steps_run += 1
