@@ -760,3 +760,48 @@ def test_a_step_reseeds_only_where_the_model_draws_random_numbers_and_stays_exac
     torch.manual_seed(0)
     _, plain = one_step(make_model("simplecnn"), 1)
     assert plain.reseed is False  # nothing drew: no reseed from the next step on
+
+
+def test_a_stop_at_a_periodic_save_writes_no_second_checkpoint_and_one_after_the_last_step_completes(
+        data, tmp_path, monkeypatch):
+    """On main a stop agreed at a step that a periodic save had just written saved it again (a second
+    write in the seconds a scheduler leaves), and a signal during the last step wrote preempted.json
+    and exited 75 although the run was complete: a job script would requeue it for nothing."""
+    import signal
+
+    import utils.train_cifar10 as train
+
+    saved = []
+    write = train.save_checkpoint
+    monkeypatch.setattr(train, "save_checkpoint", lambda path, state: (
+        saved.append((os.path.basename(path), state.get("step"))), write(path, state)))
+    step = train.train_step
+
+    def signalled_in_step(at):
+        def train_step(args, job, training, *rest):
+            if training.step + 1 == at:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return step(args, job, training, *rest)
+        return train_step
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        # 512 images, batches of 64: 8 steps an epoch, 16 in all; a save every 5 steps; the flag is
+        # agreed every 10 steps: the stop comes at step 10, which the periodic save has written
+        monkeypatch.setattr(train, "train_step", signalled_in_step(9))
+        args = ["--data", data, "--workers", "0", "--loader", "workers", "--device", "cpu", "--no-progress",
+                "--epochs", "2", "--global-batch", "64", "--checkpoint-every", "5"]
+        out, error = in_process(*args, "--out", str(tmp_path / "stopped"))
+        assert error == str(train.EXIT_PREEMPTED) and "SIGUSR1: every rank stopped after step 10" in out
+        assert saved == [("checkpoint.pt", 5), ("checkpoint.pt", 8), ("checkpoint.pt", 10)]
+        assert (tmp_path / "stopped" / "preempted.json").exists()
+
+        # the signal during step 16, the last: the flag is agreed after it, and the run is complete
+        saved.clear()
+        monkeypatch.setattr(train, "train_step", signalled_in_step(16))
+        out, error = in_process(*args, "--out", str(tmp_path / "last"))
+        assert error is None and "SIGUSR1 after the last step (16): the run is complete" in out
+        assert (tmp_path / "last" / "model_final.pt").exists()
+        assert not (tmp_path / "last" / "preempted.json").exists()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
