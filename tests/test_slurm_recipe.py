@@ -4,9 +4,10 @@ train on the CPU (gloo), with DataLoader workers. The data is staged first, as o
 with no staged data stops before it starts anything; a job that fails is not requeued, even with a
 preempted.json of the same job's previous run; and one job's whole life: warned before its time limit,
 it saves and requeues itself; requeued, its first attempt fails on rank 0's node, is restarted and
-resumes; SIGTERM then reaches it as at a time limit, its save cannot finish, and it is requeued anyway;
-requeued again, it resumes from the last complete checkpoint and trains to the end (a job that runs to
-its end costs as much as a whole one, so the test of a whole job is that one)."""
+resumes; warned again, its save cannot finish, and it is requeued anyway; requeued again, it resumes
+from the last complete checkpoint and trains to the end (a job that runs to its end costs as much as a
+whole one, so the test of a whole job is that one). Slurm's own SIGTERM (time limit, preemption,
+scancel), which reaches srun too, ends the job without a requeue."""
 
 import json
 import os
@@ -180,6 +181,19 @@ sys.exit(75)
 """
 
 
+def test_slurms_own_sigterm_ends_the_job_without_a_requeue(staged, tmp_path):
+    """At a time limit, a preemption or scancel, Slurm sends SIGTERM to the batch script and to every
+    process of each step, srun included, which kills its step at once: nothing is saved, and a job
+    script that requeued then would undo a scancel."""
+    (tmp_path / "sleeper.py").write_text("import time\nprint('training', flush=True)\ntime.sleep(120)\n")
+    env = job_env(tmp_path, staged, TRAIN_MODULE="sleeper", PYTHONPATH=str(tmp_path), MAX_RESTARTS="0")
+    log = tmp_path / "out" / "logs" / "cifar10-4242-node1.out"
+    stdout, stderr = signal_when(start_job(env), lambda: log.exists() and "training" in log.read_text(),
+                                 [(signal.SIGTERM, "job"), (signal.SIGTERM, "step")])
+    assert "SIGTERM from Slurm" in stdout and "not requeued by this script" in stderr, stdout + stderr
+    assert requeues(tmp_path) == [] and not (tmp_path / "slurm" / "scancel").exists()
+
+
 def test_a_job_requeued_max_requeues_times_is_not_requeued_again(staged, tmp_path):
     (tmp_path / "preempted_at_once.py").write_text(PREEMPTED_AT_ONCE)
     done = sbatch(job_env(tmp_path, staged, SLURM_RESTART_COUNT="2", MAX_REQUEUES="2", MAX_RESTARTS="0",
@@ -268,9 +282,8 @@ def test_a_job_warned_restarted_and_killed_during_its_save_requeues_itself_and_t
     1. Requeued (same job id, SLURM_RESTART_COUNT=1), its first attempt fails on rank 0's node before
        it resumes; torchrun restarts it and it resumes (on main, the restarted rank 0 read the
        previous run's preempted.json as its own, exited 75 at every restart, and the job failed for
-       good). Then SIGTERM to the batch script and to every process of the step, as Slurm sends at a
-       time limit; the save after the stop cannot finish before torchrun's shutdown timeout, and the
-       job is requeued anyway (on main: "training failed, not requeued").
+       good). Then the warning again; the save after the stop cannot finish before torchrun's shutdown
+       timeout, and the job is requeued anyway (on main: "training failed, not requeued").
     2. Requeued again, it resumes from the last complete checkpoint and trains to the end on two nodes,
        from node-local copies of the data, with a log per node and no third requeue."""
     data = stage(tmp_path / "data", train=2560)  # 40 steps an epoch: time for the signals to land
@@ -289,7 +302,9 @@ def test_a_job_warned_restarted_and_killed_during_its_save_requeues_itself_and_t
     assert stopped["signal"] == "SIGTERM" and stopped["slurm_restart"] == 0, stdout + stderr
     # the checkpoint is the stopped step's (the ranks agree every 10 steps)
     assert stopped["step"] % 10 == 0 and checkpoint_step(out) == stopped["step"]
-    assert "SIGUSR1: every rank stops" in stdout and "preempted (" in stdout, stdout + stderr
+    assert "SIGUSR1 (the time limit is near)" in stdout and "preempted (" in stdout, stdout + stderr
+    # Slurm sent SIGTERM to every process of the job's steps (not to srun: it would kill the step)
+    assert (tmp_path / "slurm" / "scancel").read_text().splitlines() == ["signal TERM 4242"]
     assert requeues(tmp_path) == ["requeue 4242"] and not (out / "model_final.pt").exists()
     node1 = out / "logs" / "cifar10-4242-node1.out"
     assert f"SIGTERM: every rank stopped after step {stopped['step']}" in node1.read_text()
@@ -297,12 +312,13 @@ def test_a_job_warned_restarted_and_killed_during_its_save_requeues_itself_and_t
     # 1: requeued; signalled once it has saved a checkpoint of its own
     env1 = {**env, "SLURM_RESTART_COUNT": "1"}
     stdout, stderr = signal_when(start_job(env1), lambda: checkpoint_step(out) > stopped["step"],
-                                 [(signal.SIGTERM, "job"), (signal.SIGTERM, "step")])
+                                 [(signal.SIGUSR1, "job")])
     log = node1.read_text()
     assert "rank 0 fails before it resumes" in log and (
         f"resumed from {out / 'checkpoint.pt'}: epoch {stopped['step'] // 40}, step "
         f"{stopped['step'] % 40} of the epoch") in log
-    assert "SIGTERM: every rank stops" in stdout and "the save did not finish" in stdout, stdout + stderr
+    assert "SIGUSR1 (the time limit is near)" in stdout and "the save did not finish" in stdout, (
+        stdout + stderr)
     assert requeues(tmp_path) == ["requeue 4242"] * 2 and not (out / "preempted.json").exists()
     last_good = checkpoint_step(out)
     assert stopped["step"] < last_good < 80 and last_good % 5 == 0

@@ -805,3 +805,27 @@ def test_a_stop_at_a_periodic_save_writes_no_second_checkpoint_and_one_after_the
         assert not (tmp_path / "last" / "preempted.json").exists()
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_sigint_stops_at_the_agreed_step_and_only_a_later_second_one_interrupts(monkeypatch):
+    """One Ctrl-C (or scancel --signal=INT) reaches a rank twice within milliseconds, from the terminal
+    or SLURM and from torchrun's agent: that is one stop at the agreed step; a Ctrl-C a second or more
+    later interrupts at once, as Python's default does."""
+    import signal
+
+    import utils.train_cifar10 as train
+
+    clock = [100.0]
+    monkeypatch.setattr(train.time, "monotonic", lambda: clock[0])
+    preemption = train.Preemption()
+    preemption._note(signal.SIGINT, None)
+    clock[0] += 0.01
+    preemption._note(signal.SIGINT, None)  # the agent's copy of the same Ctrl-C
+    assert preemption.signal == signal.SIGINT
+    clock[0] += 1.5
+    with pytest.raises(KeyboardInterrupt):
+        preemption._note(signal.SIGINT, None)
+    other = train.Preemption()
+    other._note(signal.SIGTERM, None)
+    other._note(signal.SIGUSR1, None)
+    assert other.signal == signal.SIGTERM  # the first one names the stop

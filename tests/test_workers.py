@@ -63,8 +63,9 @@ def test_worker_context_preloads_torch_and_the_given_modules_where_there_is_a_fo
     ctx = worker_context("utils.examples", detach=True)
     assert ctx.get_start_method() == "forkserver"
     from multiprocessing import forkserver
-    assert forkserver._forkserver._preload_modules == [*PRELOAD, "utils.examples",
-                                                       "utils._detach"]
+    # the detaching module first: the server ignores the stop signals while it imports torch
+    assert forkserver._forkserver._preload_modules == ["utils._detach", *PRELOAD,
+                                                       "utils.examples"]
     with pytest.raises(TypeError, match="module names"):
         worker_context("")
     monkeypatch.setattr(mp, "get_all_start_methods", lambda: ["spawn"])  # Windows

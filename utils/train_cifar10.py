@@ -319,7 +319,13 @@ def init_process_group(backend: str, device: torch.device | None = None,
     hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
     shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                            world_size, hosts_store)
-    store, attempt = attempt_store(shared, os.environ["MASTER_ADDR"], rank, world_size)
+    # the attempt counter lives in the shared store, which outlives a restart only when
+    # it is torchrun's agent's; otherwise rank 0 hosts a new one each attempt, and the
+    # agent's own count of restarts (of rank 0's node) is the best there is
+    floor = (0 if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+             else int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+    store, attempt = attempt_store(shared, os.environ["MASTER_ADDR"], rank, world_size,
+                                   floor)
     os.environ["TRAIN_CIFAR10_ATTEMPT"] = str(attempt)
     # device_id binds this rank's GPU to the group: barriers use it
     extra = {"device_id": device} if backend == "nccl" else {}
@@ -342,15 +348,20 @@ def shorten_timeouts(job, seconds: float) -> None:
         return
     set_timeout = (getattr(dist, "set_timeout", None)  # torch >= 2.10
                    or getattr(dist.distributed_c10d, "_set_pg_timeout", None))
-    if set_timeout is None:  # an older torch: the start-up timeout stays
+    if set_timeout is None:  # an older torch
+        if job.master:
+            print(f"warning: this torch cannot change a process group's timeout; "
+                  f"--step-timeout is ignored, --init-timeout applies throughout",
+                  file=sys.stderr, flush=True)
         return
     set_timeout(timedelta(seconds=seconds))  # the default group
     if job.control is not None:
         set_timeout(timedelta(seconds=seconds), job.control)
 
 
-def attempt_store(shared, host: str, rank: int, world_size: int):
-    """``(store, attempt)``: a store that only this attempt's processes know.
+def attempt_store(shared, host: str, rank: int, world_size: int, floor: int = 0):
+    """``(store, attempt)``: a store that only this attempt's processes know, and the
+    attempt's number (rank 0's count in the shared store, at least ``floor``).
 
     Rank 0 starts a new store on a free port and publishes ``host:port:token`` in the
     shared store, with a random token that it also writes into the new store. Every
@@ -362,7 +373,7 @@ def attempt_store(shared, host: str, rank: int, world_size: int):
     """
     if rank == 0:
         own = dist.TCPStore(host, 0, world_size, True, wait_for_workers=False)
-        attempt = shared.add("train_cifar10/attempts", 1) - 1
+        attempt = max(shared.add("train_cifar10/attempts", 1) - 1, floor)
         token = f"{attempt}-{os.urandom(8).hex()}"
         own.set("token", token)
         first = shared.compare_set("train_cifar10/world_size", "", str(world_size))
@@ -1313,7 +1324,9 @@ class Preemption:
     Ctrl-C, or ``scancel --signal=INT``) set a flag; every ``STOP_CHECK_EVERY`` steps,
     and after an epoch's last step, the ranks agree on it, so that all stop after the
     same step, write one checkpoint and exit with ``EXIT_PREEMPTED``. A second SIGINT
-    in the same process raises ``KeyboardInterrupt`` at once, as Python's default does.
+    at least a second after the first raises ``KeyboardInterrupt`` at once, as Python's
+    default does (one Ctrl-C or ``scancel --signal=INT`` reaches a rank twice within
+    milliseconds: from SLURM or the terminal, and from torchrun's agent).
 
     The handlers are installed in the main thread (where Python allows them), and the
     previous ones restored after the run, unless a signal stopped it: then they stay,
@@ -1322,6 +1335,7 @@ class Preemption:
 
     def __init__(self):
         self.signal = 0
+        self._first_sigint = None
         self._previous = {}
 
     def __enter__(self):
@@ -1337,8 +1351,12 @@ class Preemption:
             signal.signal(sig, handler)
 
     def _note(self, signum, frame) -> None:
-        if signum == signal.SIGINT and self.signal == signal.SIGINT:
-            raise KeyboardInterrupt  # Ctrl-C twice: no wait for the agreed step
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._first_sigint is None:
+                self._first_sigint = now
+            elif now - self._first_sigint >= 1.0:
+                raise KeyboardInterrupt  # Ctrl-C again: no wait for the agreed step
         self.signal = self.signal or signum
 
     def agreed(self, job) -> int:

@@ -76,8 +76,9 @@ def worker_context(*preload: str, detach: bool = False) -> mp.context.BaseContex
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
+    # utils._detach first: the server is shielded while it imports torch (seconds)
     detached = ("utils._detach",) if detach else ()
-    ctx.set_forkserver_preload(list(dict.fromkeys((*PRELOAD, *preload, *detached))))
+    ctx.set_forkserver_preload(list(dict.fromkeys((*detached, *PRELOAD, *preload))))
     return ctx
 
 
