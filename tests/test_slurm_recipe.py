@@ -215,10 +215,10 @@ def training_srun(job_pid):
     return None
 
 
-# The job's training module in its first requeued run (SLURM_RESTART_COUNT=1): global rank 0 fails once
+# The job's training module in its requeued runs (SLURM_RESTART_COUNT 1 and 2): global rank 0 fails once
 # the group has formed, before it resumes (as a bad GPU or a file system error would), in its node's
-# first attempt; and the save after a stop takes longer than torchrun's shutdown timeout (a slow shared
-# file system).
+# first attempt; and in the first requeued run the save after a stop takes longer than torchrun's
+# shutdown timeout (a slow shared file system).
 FAULTY = """
 import os, time
 import utils.train_cifar10 as train
@@ -237,8 +237,10 @@ def slow_save(args, training, job):
     return save(args, training, job)
 
 if __name__ == "__main__":
+    if os.environ.get("SLURM_RESTART_COUNT") in ("1", "2"):
+        train.build_data = failing_build_data
     if os.environ.get("SLURM_RESTART_COUNT") == "1":
-        train.build_data, train.save = failing_build_data, slow_save
+        train.save = slow_save
     train.run()
 """
 
@@ -284,8 +286,9 @@ def test_a_job_warned_restarted_and_killed_during_its_save_requeues_itself_and_t
        previous run's preempted.json as its own, exited 75 at every restart, and the job failed for
        good). Then the warning again; the save after the stop cannot finish before torchrun's shutdown
        timeout, and the job is requeued anyway (on main: "training failed, not requeued").
-    2. Requeued again, it resumes from the last complete checkpoint and trains to the end on two nodes,
-       from node-local copies of the data, with a log per node and no third requeue."""
+    2. Requeued again, its first attempt fails the same way, and it restarts, resumes from the last
+       complete checkpoint and trains to the end on two nodes, from node-local copies of the data, with
+       a log per node and no third requeue."""
     data = stage(tmp_path / "data", train=2560)  # 40 steps an epoch: time for the signals to land
     local = tmp_path / "node-local"
     (tmp_path / "faulty_train.py").write_text(FAULTY)
@@ -345,6 +348,8 @@ def test_a_job_warned_restarted_and_killed_during_its_save_requeues_itself_and_t
     node1, node2 = ((logs / f"cifar10-4242-{node}.out").read_text() for node in ("node1", "node2"))
     assert "== node1: node 0 of 2, job 4242, 3 CPUs" in node1
     assert "== node2: node 1 of 2, job 4242, 3 CPUs" in node2
+    # in runs 1 and 2 (the log appends)
+    assert node1.count("rank 0 fails before it resumes") == 2
     # rank 0 (on the head node) logs; the data came from the node-local copy
     assert f"resumed from {out / 'checkpoint.pt'}: epoch {last_good // 40}, step {last_good % 40} " in node1
     assert f"synthetic CIFAR-10 in {local}:" in node1 and "2 process(es), cpu, gloo" in node1
