@@ -143,6 +143,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic algorithms and fixed DDP buckets: "
                         "bit-identical restarts (slower)")
+    add_run_arguments(p)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the run writes, how it resumes and stops, how long collectives may wait."""
     p.add_argument("--out", default="runs/cifar10",
                    help="folder for metrics.jsonl and checkpoints")
     p.add_argument("--checkpoint-every", type=int, default=0,
@@ -169,9 +177,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the rank fails (a hang becomes a restart): more than a "
                         "checkpoint's write, which the other ranks wait for "
                         "(default 300)")
-    args = p.parse_args(argv)
-    check_args(p, args)
-    return args
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -958,11 +963,11 @@ def shield_worker(worker_id: int) -> None:
 
     torchrun's agent passes a signal on to each rank's whole process group, and SLURM
     sends its signals to every process of a job step, workers included; a worker killed
-    by one makes its rank fail before the checkpoint ("DataLoader worker ... is killed by
-    signal: Terminated"). In a process group of its own and ignoring SIGTERM, SIGINT and
-    SIGUSR1 (``utils._detach``: its fork server ignores them before it forks, and torch's
-    worker loop puts its own SIGTERM handler back before this runs), the worker goes on
-    until its rank stops it, or its ``WatchParent`` sees the rank gone."""
+    by one makes its rank fail before the checkpoint ("DataLoader worker ... exited
+    unexpectedly"). In a process group of its own and ignoring SIGTERM, SIGINT and
+    SIGUSR1 (``utils._detach``: its fork server ignores them before it forks, and
+    torch's worker loop puts its own SIGTERM handler back before this runs), the worker
+    goes on until its rank stops it, or its ``WatchParent`` sees the rank gone."""
     if hasattr(os, "setpgrp"):  # not on Windows
         os.setpgrp()
     ignore_stop_signals()
