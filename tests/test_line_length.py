@@ -1,4 +1,4 @@
-"""Library code is shown in the book (``utils.show_source``): no line of utils/*.py
+"""Library code is shown in the book (``utils.show_source``): no line of utils/**/*.py
 may be longer than 88 characters, so that no listing scrolls sideways or is cut off
 in print."""
 
@@ -8,7 +8,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIMIT = 88
-UTILS = sorted((ROOT / "utils").glob("*.py"))
+UTILS = sorted((ROOT / "utils").rglob("*.py"))  # the package utils.train_cifar10 too
 
 
 def long_lines(path: pathlib.Path, limit: int = LIMIT) -> list[str]:
@@ -23,7 +23,7 @@ def test_there_are_utils_modules():
     assert len(UTILS) >= 10
 
 
-@pytest.mark.parametrize("path", UTILS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", UTILS, ids=lambda p: str(p.relative_to(ROOT / "utils")))
 def test_no_line_longer_than_88(path):
     found = long_lines(path)
     assert not found, (f"{len(found)} line(s) longer than {LIMIT} characters:\n"

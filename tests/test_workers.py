@@ -77,8 +77,7 @@ def test_the_training_script_starts_workers_from_a_detached_preloaded_server():
     from multiprocessing import forkserver
     assert worker_start(2).get_start_method() == "forkserver"
     preload = set(forkserver._forkserver._preload_modules)
-    # not the script itself: each worker imports the main module again by its name, and
-    # runpy warns where the server had imported it (test_train_cifar10 runs python -m)
+    # not the training script: a worker imports what unpickling its data set needs
     assert {"torch", "utils._detach"} <= preload and "utils.train_cifar10" not in preload
 
 

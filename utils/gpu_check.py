@@ -84,9 +84,9 @@ from .launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what the checks run (utils.results records their hashes in the results file)
-SOURCES = ["utils/gpu_check.py", "utils/train_cifar10.py", "utils/gpu_loader.py",
-           "utils/step_bench.py", "utils/loader_bench.py", "utils/ddp.py",
-           "utils/metrics.py", "utils/launch.py", "utils/samplers.py",
+SOURCES = ["utils/gpu_check.py", *results.package_sources("utils/train_cifar10"),
+           "utils/gpu_loader.py", "utils/step_bench.py", "utils/loader_bench.py",
+           "utils/ddp.py", "utils/metrics.py", "utils/launch.py", "utils/samplers.py",
            "utils/workers.py"]
 RUN_TIMEOUT = 600  # seconds for one torchrun (the runs take well under a minute)
 FAILED_NODE_GRACE = 60  # seconds a node may run on after the other one failed

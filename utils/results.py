@@ -4,8 +4,9 @@ code its figures depend on, so that a stale file is found by a test, not by a re
     write(path, result, sources)   # atomically; adds "sources" and "date"
     stale(path)                    # the sources that changed since the file was written
 
-``sources`` are paths relative to the repository root (``utils/gpu_loader.py``), or
-one definition in a file (``utils/bench.py::bench_ddp``); each is recorded with the
+``sources`` are paths relative to the repository root (``utils/gpu_loader.py``; every
+module of a package: ``package_sources``), or one definition in a file
+(``utils/bench.py::bench_ddp``); each is recorded with the
 SHA-256 of its code (the syntax tree without docstrings and comments). A writer lists
 what its figures depend on, and says in its code why it leaves out anything else it
 runs (a chapter it only times, say). ``tests/test_results.py`` fails when a CPU
@@ -45,6 +46,14 @@ def source_hash(source: str, root: str = ROOT, text: str | None = None) -> str |
         if tree is None:
             return None
     return hashlib.sha256(_code_only(tree).encode()).hexdigest()
+
+
+def package_sources(package: str, root: str = ROOT) -> list[str]:
+    """Every module of a package folder (``utils/train_cifar10``) as a source: its
+    ``.py`` files, relative to ``root``, sorted."""
+    folder = os.path.join(root, package)
+    return sorted(f"{package}/{name}" for name in os.listdir(folder)
+                  if name.endswith(".py"))
 
 
 def _code_only(tree: ast.AST) -> str:

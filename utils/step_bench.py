@@ -35,8 +35,8 @@ from . import results
 from . import train_cifar10 as script
 
 # what the figures depend on (utils.results records their hashes)
-SOURCES = ["utils/step_bench.py", "utils/train_cifar10.py", "utils/gpu_loader.py",
-           "utils/ddp.py"]
+SOURCES = ["utils/step_bench.py", *results.package_sources("utils/train_cifar10"),
+           "utils/gpu_loader.py", "utils/ddp.py"]
 
 
 def bare_epoch(model, optimizer, loader, job, amp: str | None) -> int:

@@ -1,0 +1,141 @@
+"""Preemption, in hardening step 4 of chapter 12: a scheduler's signal becomes one
+stop that every rank agrees on, one checkpoint, ``preempted.json`` and exit code 75; a
+restart of the same run after it stops again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ..workers import STOP_SIGNALS
+from .checkpoints import write_atomically
+from .per_node import from_rank_0
+
+if TYPE_CHECKING:
+    from .steps import Job, Training
+
+
+PREEMPTED = "preempted.json"  # rank 0 writes it when a signal stopped the run
+
+
+# the exit code of every rank stopped by SIGTERM or SIGUSR1 after its checkpoint:
+# sysexits' EX_TEMPFAIL, "a temporary failure: try again later" (with --resume)
+EXIT_PREEMPTED = 75
+
+
+# steps between two agreements on the stop flag: each is a blocking all-reduce between
+# the ranks' hosts (a round trip between them, longer across nodes), which every
+# step would pay; a signal stops the run at most this many steps later (and after an
+# epoch's last step at the latest)
+STOP_CHECK_EVERY = 10
+
+
+class Preemption:
+    """SIGTERM, SIGUSR1 (what a scheduler sends before it kills a job) and SIGINT (a
+    Ctrl-C, or ``scancel --signal=INT``) set a flag; every ``STOP_CHECK_EVERY`` steps,
+    and after an epoch's last step, the ranks agree on it, so that all stop after the
+    same step, write one checkpoint and exit with ``EXIT_PREEMPTED``. A second SIGINT
+    at least a second after the first raises ``KeyboardInterrupt`` at once, as Python's
+    default does (one Ctrl-C or ``scancel --signal=INT`` reaches a rank twice within
+    milliseconds: from SLURM or the terminal, and from torchrun's agent).
+
+    The handlers are installed in the main thread (where Python allows them), and the
+    previous ones restored after the run, unless a signal stopped it: then they stay,
+    so that a SIGTERM that torchrun's agent sends once the first rank has exited does
+    not kill the others before they exit with ``EXIT_PREEMPTED`` too."""
+
+    def __init__(self):
+        self.signal = 0
+        self._first_sigint = None
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:  # no SIGUSR1 on Windows
+                self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.signal:
+            return
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _note(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._first_sigint is None:
+                self._first_sigint = now
+            elif now - self._first_sigint >= 1.0:
+                raise KeyboardInterrupt  # Ctrl-C again: no wait for the agreed step
+        self.signal = self.signal or signum
+
+    def agreed(self, job) -> int:
+        """The signal any rank has received (0 if none), the same on every rank."""
+        if not job.ddp:
+            return self.signal
+        flag = torch.tensor([self.signal], dtype=torch.int64)  # on the CPU: gloo
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=job.control)
+        return int(flag)
+
+
+def refuse_restart_after_preemption(args, job: Job) -> None:
+    """A signal stopped this run (its ``preempted.json`` names this run), and torchrun
+    restarted the ranks, as it does when the signal reached them but not its agent:
+    stop again with ``EXIT_PREEMPTED`` instead of training on (a new job, after a
+    requeue, resumes).
+
+    "This run" is the same torchrun run id, SLURM job id *and* SLURM restart count (a
+    requeued job keeps its job id, and torchrun's run id is the job id in the SLURM
+    recipe), and "restarted" is the attempt number the ranks agreed on through the
+    store (``attempt_store``), not ``TORCHELASTIC_RESTART_COUNT``, which counts only
+    the restarts of this node's agent: so a requeued job whose first attempt fails is
+    restarted and resumes, instead of reading the last job's file as its own."""
+    found = None
+    path = os.path.join(args.out, PREEMPTED)
+    if job.master and int(os.environ.get("TRAIN_CIFAR10_ATTEMPT", 0)) > 0:
+        try:
+            with open(path) as f:
+                found = json.load(f)
+        except (OSError, ValueError):
+            found = None
+        if found and any(found.get(key) != value
+                         for key, value in this_run().items()):
+            found = None
+    found = from_rank_0(found, job.ddp)
+    if found:
+        print(f"{found['signal']} stopped this job after step {found['step']} "
+              f"({path}); a restart does not go on: run the job again with --resume",
+              file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_PREEMPTED)
+
+
+def this_run() -> dict:
+    """What names this run in ``preempted.json``: torchrun's run id, SLURM's job id and
+    restart (requeue) count, where set."""
+    env = os.environ.get
+    return {"torchrun_run_id": env("TORCHELASTIC_RUN_ID"),
+            "slurm_job_id": env("SLURM_JOB_ID"),
+            "slurm_restart": int(env("SLURM_RESTART_COUNT", 0))}
+
+
+def write_preempted(args, training: Training) -> None:
+    """``preempted.json``: the step and signal, and which run wrote it (``this_run``),
+    with torchrun's restart count and the agreed attempt, so that a job script can tell
+    a file of its own run from an older one."""
+    env = os.environ.get
+    record = {"step": training.step,
+              "signal": signal.Signals(training.stop_signal).name,
+              **this_run(),
+              "torchrun_restart": int(env("TORCHELASTIC_RESTART_COUNT", 0)),
+              "attempt": int(env("TRAIN_CIFAR10_ATTEMPT", 0))}
+    write_atomically(os.path.join(args.out, PREEMPTED),
+                     lambda f: f.write(json.dumps(record).encode()))

@@ -1,0 +1,123 @@
+"""The command line: ``parse_args`` and the checks of its values
+(``python -m utils.train_cifar10 --help`` prints them all)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    # the package's docstring's first paragraph (argparse re-flows it onto one line)
+    p = argparse.ArgumentParser(prog="python -m utils.train_cifar10",
+                                description=sys.modules[__package__].__doc__
+                                .split("\n\n")[0])
+    p.add_argument("--data", default="data",
+                   help="folder holding cifar-10-batches-py (default: data)")
+    p.add_argument("--download", action="store_true",
+                   help="download the real CIFAR-10 into --data (needs a network)")
+    p.add_argument("--synthetic", action="store_true",
+                   help="if --data holds no CIFAR-10, write the small generated "
+                        "stand-in there (no network needed)")
+    p.add_argument("--synthetic-size", type=int, nargs=2, default=[5000, 1000],
+                   metavar=("TRAIN", "TEST"))
+    p.add_argument("--prepare-only", action="store_true",
+                   help="download (--download) or write (--synthetic) the data into "
+                        "--data, then stop: stages it before a cluster job whose "
+                        "nodes have no network (one process, no torchrun)")
+    p.add_argument("--model", choices=["simplecnn", "resnet18"], default="simplecnn")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--global-batch", type=int, default=256,
+                   help="images per optimizer step over all processes; each process "
+                        "takes global-batch / world size")
+    p.add_argument("--lr", type=float, default=0.05,
+                   help="peak learning rate (one-cycle schedule)")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--workers", type=int, default=2,
+                   help="DataLoader workers per process (training with --loader "
+                        "workers; the test set always)")
+    p.add_argument("--loader", choices=["auto", "gpu", "workers"], default="auto",
+                   help="training data: gpu: the uint8 set on the device, augmented "
+                        "there in whole batches (on the CPU too: the same tensor "
+                        "code); "
+                        "workers: a DataLoader with worker processes; auto: gpu with "
+                        "CUDA if the set takes at most 1/4 of the free GPU memory on "
+                        "every rank, else workers")
+    p.add_argument("--channels-last", choices=["auto", "yes", "no"], default="auto",
+                   help="channels_last memory format for the model and its inputs "
+                        "(auto: yes with CUDA)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model and the GPU loader's augmentation "
+                        "(g++ or $CXX on the CPU; Triton, cc and Python.h on CUDA)")
+    p.add_argument("--log-every", type=int, default=50,
+                   help="read the loss from the device every N steps for the "
+                        "progress bar (the only reads during an epoch)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: CUDA (nccl) when available, else CPU (gloo); "
+                        "cpu: gloo even on a GPU machine")
+    p.add_argument("--amp", nargs="?", const="bf16", choices=["bf16", "fp16"],
+                   help="mixed precision on CUDA: bf16 autocast (--amp alone; A100, "
+                        "H100 and later), or fp16 with a gradient scaler, saved in "
+                        "checkpoints (V100, T4: bf16 is emulated there)")
+    p.add_argument("--sync-bn", action="store_true",
+                   help="SyncBatchNorm across GPUs (CUDA only; off by default: a "
+                        "collective in every BatchNorm layer, forward and backward, "
+                        "for statistics over the global batch, not the local one)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic algorithms and fixed DDP buckets: "
+                        "bit-identical restarts (slower)")
+    add_run_arguments(p)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the run writes, how it resumes and stops, how long collectives may wait."""
+    p.add_argument("--out", default="runs/cifar10",
+                   help="folder for metrics.jsonl and checkpoints")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="save every N steps (0: at epoch ends)")
+    p.add_argument("--keep-checkpoints", type=int, default=1, metavar="K",
+                   help="keep the last K checkpoints: checkpoint.pt and K-1 older "
+                        "ones, checkpoint-step<N>.pt (default 1)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT/checkpoint.pt if rank 0 finds it")
+    p.add_argument("--fail-at-step", type=int, default=-1,
+                   help="(testing) the last rank dies at the start of this step "
+                        "(from 1), in its node's first attempt: no rank completes it")
+    p.add_argument("--stop-at-step", type=int, default=-1,
+                   help="stop after this step with a checkpoint, as a job whose time "
+                        "is up (resume with --resume)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (logs only)")
+    p.add_argument("--init-timeout", type=float, default=1800, metavar="SECONDS",
+                   help="how long a collective may wait until every rank's first step "
+                        "is done: joining the group, data prepared per node, the first "
+                        "step (default 1800)")
+    p.add_argument("--step-timeout", type=float, default=300, metavar="SECONDS",
+                   help="how long a collective may wait after the first step, before "
+                        "the rank fails (a hang becomes a restart): more than a "
+                        "checkpoint's write, which the other ranks wait for "
+                        "(default 300)")
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Stop with argparse's usage and a message on a value out of range."""
+    for name in ("epochs", "global_batch", "log_every", "keep_checkpoints"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, "
+                    f"got {getattr(args, name)}")
+    for name in ("workers", "seed", "checkpoint_every"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be 0 or more, "
+                    f"got {getattr(args, name)}")
+    for name in ("lr", "init_timeout", "step_timeout"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} must be positive, "
+                    f"got {getattr(args, name)}")
+    if min(args.synthetic_size) < 5:
+        p.error(f"--synthetic-size needs two numbers of at least 5, "
+                f"got {args.synthetic_size}")
