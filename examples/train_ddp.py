@@ -48,7 +48,7 @@ def main():
     p.add_argument("--model", choices=["simplecnn", "resnet18"], default="simplecnn")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--global-batch", type=int, default=256)  # over all processes
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--workers", type=int, default=2)  # DataLoader workers per process
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

@@ -340,7 +340,7 @@ def test_two_nodes_with_their_own_disks_prepare_data_per_node_and_agree_on_resum
 def test_resuming_with_another_schedule_is_refused_with_the_differences(data, stopped_on_two, tmp_path):
     out = str(tmp_path / "out")
     shutil.copytree(stopped_on_two, out)
-    changes = {"--epochs": ("3", "--epochs 3 (checkpoint: 2)"), "--lr": ("0.1", "--lr 0.1 (checkpoint: 0.05)"),
+    changes = {"--epochs": ("3", "--epochs 3 (checkpoint: 2)"), "--lr": ("0.2", "--lr 0.2 (checkpoint: 0.1)"),
                "--seed": ("1", "--seed 1 (checkpoint: 0)"),
                "--model": ("resnet18", "--model resnet18 (checkpoint: simplecnn)"),
                "--global-batch": ("32", "--global-batch 32 (checkpoint: 64)"),

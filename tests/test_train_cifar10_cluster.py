@@ -165,3 +165,27 @@ def test_a_run_with_fewer_than_3_steps_is_refused():
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     with pytest.raises(SystemExit, match="2 optimizer step.*needs at least 3"):
         train.one_cycle(optimizer, 0.1, 2)
+
+
+def test_setting_a_name_on_the_package_reaches_the_modules_that_use_it_and_undo_restores_it(monkeypatch):
+    """utils.train_cifar10 is a package; a test or script that sets a name on it (as on the one-file
+    script it was) must change what the modules that use the name call, and monkeypatch's undo (which
+    deletes a name the package did not hold itself) must put the modules' own back."""
+    import time
+
+    steps, preemption = sys.modules["utils.train_cifar10.steps"], sys.modules["utils.train_cifar10.preemption"]
+    step, load, every = steps.train_step, steps.load_cifar10, steps.STOP_CHECK_EVERY
+    with monkeypatch.context() as patch:
+        patch.setattr(train, "train_step", "wrapped")      # defined in steps, re-exported
+        patch.setattr(train, "write_atomically", "atomic")  # defined in checkpoints, used by preemption
+        patch.setattr(train, "load_cifar10", "loader")      # only imported by steps (from utils.data)
+        patch.setattr(train, "time", "clock")              # a module the modules import
+        patch.setattr(train, "STOP_CHECK_EVERY", 2)
+        assert (steps.train_step, preemption.write_atomically, steps.load_cifar10) == ("wrapped", "atomic",
+                                                                                       "loader")
+        assert preemption.time == sys.modules["utils.train_cifar10.restarts"].time == "clock"
+        assert steps.STOP_CHECK_EVERY == preemption.STOP_CHECK_EVERY == 2
+    assert (steps.train_step, steps.load_cifar10, steps.STOP_CHECK_EVERY) == (step, load, every)
+    assert preemption.time is time and preemption.write_atomically is train.write_atomically
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        train.no_such_name

@@ -64,10 +64,9 @@ when the script was one file.
 from __future__ import annotations
 
 import sys
-import time  # Preemption's clock, as the one-file script had it
 import types
 
-from .settings import (add_run_arguments, check_args, parse_args)
+from .settings import add_run_arguments, check_args, parse_args
 from .recipe import (GlobalAvgPool, make_model, one_cycle, per_process_batch, SimpleCNN)
 from .augment import KeyedAugment
 from .checkpoints import (CHECKPOINT, FORMAT, LEGACY_SETTINGS, RUN_SETTINGS,
@@ -93,18 +92,37 @@ MODULES = ("settings", "recipe", "augment", "checkpoints", "per_node", "restarts
 
 
 class _Package(types.ModuleType):
-    """This package, whose names are set where they are used: ``package.name = value``
-    replaces ``name`` in every module of the package that holds the same object (the
-    one that defines it and those that import it), then here."""
+    """This package, read and set as the one-file script was.
+
+    A name that only a module imports is read from it (``train.load_cifar10``,
+    ``train.time``), and ``package.name = value`` replaces ``name`` in every module of
+    the package that holds the same object as the package does (the module that defines
+    it and those that import it), then here. A module patched directly, not through the
+    package, no longer holds that object and is left alone."""
+
+    def __getattr__(self, name: str):
+        for namespace in _namespaces():
+            if name in namespace and not name.startswith("__"):
+                # kept here too, like the names imported above, so that what set it
+                # (monkeypatch) finds it here to put it back
+                self.__dict__[name] = namespace[name]
+                return namespace[name]
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
     def __setattr__(self, name: str, value) -> None:
-        old = self.__dict__.get(name, _NOTHING)
-        if old is not _NOTHING and not isinstance(old, types.ModuleType):
-            for module in MODULES:
-                namespace = sys.modules[f"{__name__}.{module}"].__dict__
-                if namespace.get(name, _NOTHING) is old:
-                    namespace[name] = value
+        if name not in MODULES and not name.startswith("__"):
+            old = getattr(self, name, _NOTHING)
+            if old is not _NOTHING:
+                for namespace in _namespaces():
+                    if namespace.get(name, _NOTHING) is old:
+                        namespace[name] = value
         super().__setattr__(name, value)
+
+
+def _namespaces() -> list[dict]:
+    """The namespaces of the package's modules that are imported."""
+    modules = (sys.modules.get(f"{__name__}.{name}") for name in MODULES)
+    return [module.__dict__ for module in modules if module is not None]
 
 
 _NOTHING = object()

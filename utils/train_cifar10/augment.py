@@ -1,6 +1,8 @@
-"""Hardening step 1 of chapter 12, keyed augmentation: every crop and flip is drawn
-from a generator keyed by ``(seed, epoch, index)``, so the images a sample becomes do
-not depend on the worker, the rank or the restart that loads it."""
+"""Hardening step 1: augmentation keyed by (seed, epoch, index).
+
+Every crop and flip is drawn from a generator keyed by ``(seed, epoch, index)``, so the
+images a sample becomes do not depend on the worker, the rank or the restart that loads
+it."""
 
 from __future__ import annotations
 

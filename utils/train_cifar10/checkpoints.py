@@ -1,4 +1,5 @@
-"""Hardening step 2 of chapter 12, resume on another number of processes:
+"""Hardening step 2: checkpoints and an exact resume.
+
 ``EpochSampler`` (a global batch is the same block of the epoch's order on any number
 of processes), checkpoints written atomically, and the settings a resumed run must
 repeat."""

@@ -1,6 +1,7 @@
-"""Launching it (chapter 12): what the launcher and the machine are checked for before
-any work is done (one GPU per process, a fixed number of nodes, no ``srun`` without
-torchrun, a ``--compile`` that can work), then the process group."""
+"""Launching it: checks before any work; the process group.
+
+What the launcher and the machine are checked for: one GPU per process, a fixed number
+of nodes, no ``srun`` without torchrun, a ``--compile`` that can work."""
 
 from __future__ import annotations
 

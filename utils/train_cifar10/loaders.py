@@ -1,6 +1,8 @@
-"""Hardening step 5 of chapter 12, feeding the GPU: which training loader
-(``choose_loader``), DataLoader workers that a scheduler's signal leaves alone, and the
-loader itself (the GPU loader, or a DataLoader over an ``EpochSampler``)."""
+"""Hardening step 5: the training loader, GPU or workers.
+
+Which training loader (``choose_loader``), DataLoader workers that a scheduler's signal
+leaves alone, and the loader itself (the GPU loader, or a DataLoader over an
+``EpochSampler``)."""
 
 from __future__ import annotations
 
@@ -89,9 +91,11 @@ def worker_start(workers: int):
     fork server with torch imported, in a process group of its own so that a signal for
     the rank's group leaves it alone (``shield_worker``). ``None`` without workers.
 
-    Nothing of this package in the preload: a worker imports what unpickling its data
-    set needs (``utils.train_cifar10.augment``), and does not run the package's
-    ``__main__`` again (multiprocessing skips a package's ``__main__`` in its children).
+    Nothing of this package in the preload: a worker imports the package (whose
+    ``__init__`` imports every module) when it unpickles ``KeyedAugment`` and
+    ``shield_worker``, and does not run the package's ``__main__`` again (under
+    ``python -m`` and ``torchrun -m`` the main module's name ends with ``.__main__``,
+    which multiprocessing does not import in its children).
     """
     return worker_context(detach=True) if workers > 0 else None
 

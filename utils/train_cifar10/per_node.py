@@ -1,6 +1,7 @@
-"""Hardening step 3 of chapter 12, data per node: each node's local rank 0 prepares
-its own copy, the ranks check that the copies agree, and rank 0 alone decides whether to
-resume, for everyone."""
+"""Hardening step 3: data per node; rank 0 decides on resuming.
+
+Each node's local rank 0 prepares its own copy, the ranks check that the copies agree,
+and rank 0 alone decides whether to resume, for everyone."""
 
 from __future__ import annotations
 

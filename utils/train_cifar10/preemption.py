@@ -1,6 +1,7 @@
-"""Preemption, in hardening step 4 of chapter 12: a scheduler's signal becomes one
-stop that every rank agrees on, one checkpoint, ``preempted.json`` and exit code 75; a
-restart of the same run after it stops again."""
+"""Preemption (step 4): an agreed checkpoint, exit code 75.
+
+A scheduler's signal becomes one stop that every rank agrees on, one checkpoint,
+``preempted.json`` and exit code 75; a restart of the same run after it stops again."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""The model and the recipe of [chapter 11]: ``SimpleCNN`` and the CIFAR ResNet-18,
-the global batch split over the processes, and the one-cycle learning rate."""
+"""The model and the training recipe of chapter 11.
+
+``SimpleCNN`` and the CIFAR ResNet-18, the global batch split over the processes, and
+the one-cycle learning rate."""
 
 from __future__ import annotations
 

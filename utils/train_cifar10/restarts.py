@@ -1,7 +1,8 @@
-"""Hardening step 4 of chapter 12, a dead rank: under torchrun's restarts every
-attempt gets a store of its own (``attempt_store``), and after the first step a
-collective that hangs fails the rank (``shorten_timeouts``), so that torchrun restarts
-the job."""
+"""Hardening step 4: a dead rank, restarted by torchrun.
+
+Under torchrun's restarts every attempt gets a store of its own (``attempt_store``),
+and after the first step a collective that hangs fails the rank
+(``shorten_timeouts``), so that torchrun restarts the job."""
 
 from __future__ import annotations
 

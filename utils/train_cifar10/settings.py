@@ -1,5 +1,7 @@
-"""The command line: ``parse_args`` and the checks of its values
-(``python -m utils.train_cifar10 --help`` prints them all)."""
+"""The command line and the checks of its values.
+
+``python -m utils.train_cifar10 --help`` prints them all; ``parse_args`` stops with
+argparse's usage and a message on a value out of range."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ import sys
 def parse_args(argv=None) -> argparse.Namespace:
     # the package's docstring's first paragraph (argparse re-flows it onto one line)
     p = argparse.ArgumentParser(prog="python -m utils.train_cifar10",
-                                description=sys.modules[__package__].__doc__
-                                .split("\n\n")[0])
+                                description=(sys.modules[__package__].__doc__
+                                             or "").split("\n\n")[0])
     p.add_argument("--data", default="data",
                    help="folder holding cifar-10-batches-py (default: data)")
     p.add_argument("--download", action="store_true",
@@ -30,8 +32,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=256,
                    help="images per optimizer step over all processes; each process "
                         "takes global-batch / world size")
-    p.add_argument("--lr", type=float, default=0.05,
-                   help="peak learning rate (one-cycle schedule)")
+    p.add_argument("--lr", type=float, default=0.1,
+                   help="peak learning rate (one-cycle schedule) for --global-batch: "
+                        "0.1, the linear rule's 0.1 per 256 images at the default "
+                        "256; scale it with --global-batch")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--workers", type=int, default=2,

@@ -1,6 +1,8 @@
-"""The run, one named step after another (chapter 12, "the sum of the steps"): ``main``
-reads top to bottom, and each step it calls is defined below it, in the order it runs;
-the hardening each step relies on lives in the module named in its import."""
+"""The run: main and the steps it calls, in order.
+
+``main`` reads top to bottom, and each step it calls is defined below it, in the order
+it runs; the hardening each step relies on lives in the module named in its import
+(chapter 12, "the sum of the steps")."""
 
 from __future__ import annotations
 
