@@ -18,7 +18,10 @@ $(STAMP): requirements.txt constraints.txt pyproject.toml
 book: $(STAMP)
 	$(BOOK)
 
-BOOK := $(BIN)/jupyter-book build . --all --path-output . -W -n --keep-going
+# the book's source as a zip that "How to run this book" offers as a download
+SOURCE_ZIP := _build/source/ddl-book-source.zip
+BOOK := $(BIN)/python -m utils.source_archive $(SOURCE_ZIP) && \
+        $(BIN)/jupyter-book build . --all --path-output . -W -n --keep-going
 
 ## make test: first a browser for the last step is found (or installed); then two lanes side by
 ## side: (1) the utils tests, then the notebooks re-executed and compared strictly by nbval;
