@@ -1,0 +1,287 @@
+"""Streams of shards: the CIFAR-10 stand-in written by WebDataset's and Hugging Face
+``datasets``' own writers, served over HTTP on loopback, and read back by ranks and
+workers through each library's remote path (chapter 15).
+
+- ``write_webdataset`` / ``write_parquet``: ``shards`` shards of consecutive indices
+  (``numpy.array_split``'s sizes), each sample carrying its index, so that what a
+  reader saw can be audited (``utils.audit``);
+- ``ShardServer``: ``python -m http.server`` on ``127.0.0.1`` and a port the OS picks,
+  in its own process, as a stand-in for S3, GCS or a CDN;
+- ``webdataset_stream`` / ``hf_stream``: each library's stream as a reader writes it
+  (WebDataset: ``split_by_node`` and ``split_by_worker``; ``datasets``:
+  ``split_dataset_by_node``), yielding ``(index, image, label)``;
+- ``read_epoch``: one epoch on ``world_size`` local ranks (``utils.launch``) with
+  ``workers`` DataLoader workers each; what every worker of every rank read.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._checks import check_int
+
+__all__ = ["FORMATS", "stand_in", "shard_bounds", "write_webdataset", "write_parquet",
+           "ShardServer", "webdataset_stream", "hf_stream", "read_epoch", "Read",
+           "assignment_table"]
+
+FORMATS = ("webdataset", "parquet")
+_PATTERNS = {"webdataset": "train-{:06d}.tar", "parquet": "train-{:06d}.parquet"}
+
+
+def stand_in(root: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``n`` training images (uint8, ``n x 32 x 32 x 3``) and labels of the
+    generated CIFAR-10 stand-in under ``root`` (written there if missing)."""
+    from .data import load_cifar10, write_synthetic_cifar10
+
+    n = check_int("n", n, minimum=1)
+    write_synthetic_cifar10(root, n_train=max(n, 5), n_test=10)
+    train = load_cifar10(root, train=True)
+    if len(train) < n:
+        raise ValueError(f"{root} holds {len(train)} training images; asked for {n}")
+    return train.data[:n], np.asarray(train.targets[:n], dtype=np.int64)
+
+
+def shard_bounds(n: int, shards: int) -> list[tuple[int, int]]:
+    """``(first, stop)`` of each shard's indices: ``numpy.array_split``'s sizes, the
+    first ``n % shards`` shards one longer."""
+    n = check_int("n", n, minimum=1)
+    shards = check_int("shards", shards, minimum=1)
+    if shards > n:
+        raise ValueError(f"shards={shards} is more than the {n} samples to split")
+    sizes = [len(a) for a in np.array_split(np.arange(n), shards)]
+    stops = np.cumsum(sizes).tolist()
+    return [(stop - size, stop) for size, stop in zip(sizes, stops)]
+
+
+def _check_images(images, labels) -> None:
+    if images.ndim != 4 or images.shape[1:] != (32, 32, 3) or images.dtype != np.uint8:
+        raise ValueError("images must be uint8 of shape (n, 32, 32, 3), got "
+                         f"{images.dtype} {tuple(images.shape)}")
+    if len(labels) != len(images):
+        raise ValueError(f"{len(images)} images but {len(labels)} labels")
+
+
+def write_webdataset(folder: str, images: np.ndarray, labels, shards: int) -> list[str]:
+    """WebDataset tar shards in ``folder``, written by ``webdataset.TarWriter``: one
+    sample per image, keyed by its index (``__key__`` ``"000042"``), the image as
+    ``.npy``, its label as ``.cls``. Returns the shards' file names."""
+    import webdataset as wds
+
+    _check_images(images, labels)
+    os.makedirs(folder, exist_ok=True)
+    names = []
+    for s, (first, stop) in enumerate(shard_bounds(len(images), shards)):
+        names.append(_PATTERNS["webdataset"].format(s))
+        with wds.TarWriter(os.path.join(folder, names[-1])) as sink:
+            for i in range(first, stop):
+                sink.write({"__key__": f"{i:06d}", "npy": images[i],
+                            "cls": int(labels[i])})
+    return names
+
+
+def write_parquet(folder: str, images: np.ndarray, labels, shards: int) -> list[str]:
+    """Parquet shards in ``folder``, written by ``datasets.Dataset.to_parquet``: columns
+    ``index``, ``image`` (the 3,072 bytes of one image) and ``label``. Returns the
+    shards' file names."""
+    import datasets
+
+    _check_images(images, labels)
+    os.makedirs(folder, exist_ok=True)
+    datasets.disable_progress_bars()
+    names = []
+    for s, (first, stop) in enumerate(shard_bounds(len(images), shards)):
+        names.append(_PATTERNS["parquet"].format(s))
+        part = datasets.Dataset.from_dict({
+            "index": list(range(first, stop)),
+            "image": [images[i].tobytes() for i in range(first, stop)],
+            "label": [int(v) for v in labels[first:stop]]})
+        part.to_parquet(os.path.join(folder, names[-1]))
+    return names
+
+
+class ShardServer:
+    """``python -m http.server`` serving ``folder`` on ``127.0.0.1``, on a port the OS
+    picks, in a process of its own (a reader's S3 bucket, GCS or CDN in miniature).
+
+    Use it as a context manager, or call ``close()``: the server process is stopped
+    and waited for. ``url(name)`` is the address of one file."""
+
+    def __init__(self, folder: str, timeout: float = 30.0):
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"no folder {folder!r} to serve")
+        self.folder = folder
+        self._proc = subprocess.Popen(
+            [sys.executable, "-u", "-m", "http.server", "0", "--bind", "127.0.0.1",
+             "--directory", folder],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = self._first_line(timeout)
+        # "Serving HTTP on 127.0.0.1 port 41234 (http://127.0.0.1:41234/) ..."
+        self.port = int(line.split(" port ")[1].split()[0])
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def _first_line(self, timeout: float) -> str:
+        import selectors
+
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._proc.stdout, selectors.EVENT_READ)
+            if not sel.select(timeout):
+                self.close()
+                raise TimeoutError(f"http.server did not start within {timeout} s")
+        line = self._proc.stdout.readline()
+        if " port " not in line:
+            self.close()
+            raise RuntimeError(f"http.server did not start: {line!r}")
+        return line
+
+    def url(self, name: str) -> str:
+        return f"{self.base}/{name}"
+
+    def urls(self, names) -> list[str]:
+        return [self.url(n) for n in names]
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+        self._proc.wait()
+        self._proc.stdout.close()
+
+    def __enter__(self) -> "ShardServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "running" if self._proc.poll() is None else "stopped"
+        return f"ShardServer({self.folder!r}, {self.base}, {state})"
+
+
+def _worker_id() -> int:
+    import torch.utils.data
+
+    info = torch.utils.data.get_worker_info()
+    return 0 if info is None else info.id
+
+
+def _wds_sample(sample: dict) -> tuple:
+    """``(worker, index, image, label)`` of one decoded WebDataset sample."""
+    import torch
+
+    return (_worker_id(), int(sample["__key__"]), torch.from_numpy(sample["npy"]),
+            int(sample["cls"]))
+
+
+def webdataset_stream(urls, shuffle: int = 0, seed: int = 0, resampled: bool = False,
+                      epoch_samples: int | None = None):
+    """WebDataset's stream over ``urls`` as its documentation writes it for several
+    nodes: shards dealt to ranks by ``split_by_node`` (``urls[rank::world_size]``),
+    then to a rank's workers by ``split_by_worker`` (``[worker::num_workers]``).
+    ``shuffle=k``: shard order shuffled (seeded by ``seed`` and the epoch) and a
+    buffer of ``k`` samples. ``resampled=True``: WebDataset's fix for uneven shards
+    (each worker draws shards with replacement, forever), cut to ``epoch_samples``
+    per worker with ``with_epoch``. Yields ``(worker, index, image, label)``."""
+    import webdataset as wds
+
+    if resampled:
+        if epoch_samples is None:
+            raise ValueError("resampled=True streams forever: pass epoch_samples, "
+                             "the samples each worker yields per epoch")
+        ds = wds.WebDataset(urls, resampled=True, seed=seed, empty_check=False)
+    else:
+        ds = wds.WebDataset(urls, nodesplitter=wds.split_by_node,
+                            workersplitter=wds.split_by_worker,
+                            shardshuffle=seed if shuffle else False,
+                            empty_check=False)
+    if shuffle:
+        ds = ds.shuffle(shuffle, seed=seed)
+    ds = ds.decode().map(_wds_sample)
+    return ds.with_epoch(epoch_samples) if resampled else ds
+
+
+def _hf_worker(row: dict) -> dict:
+    """The worker that read ``row``, as a column (for ``read_epoch``)."""
+    return {"worker": _worker_id()}
+
+
+def hf_stream(urls, rank: int, world_size: int, shuffle: int = 0, seed: int = 0):
+    """Hugging Face ``datasets``' stream over the Parquet ``urls``, as its
+    documentation writes it for several nodes: ``load_dataset("parquet", ...,
+    streaming=True)``, then ``split_dataset_by_node`` (whole shards per rank when the
+    shard count divides by ``world_size``, else every ``world_size``-th example of
+    every shard), ``shuffle(seed, buffer_size=k)`` when ``shuffle=k``. DataLoader
+    workers get whole shards of the rank's part. Yields dicts of ``worker``,
+    ``index``, ``image`` (bytes) and ``label``."""
+    import datasets
+    from datasets.distributed import split_dataset_by_node
+
+    datasets.disable_progress_bars()
+    ds = datasets.load_dataset("parquet", data_files={"train": list(urls)},
+                               split="train", streaming=True)
+    ds = split_dataset_by_node(ds, rank=rank, world_size=world_size)
+    if shuffle:
+        ds = ds.shuffle(seed=seed, buffer_size=shuffle)
+    return ds
+
+
+@dataclass(frozen=True)
+class Read:
+    """What one epoch's readers saw: ``seen[rank][worker]`` lists the indices in the
+    order that worker yielded them; ``batches[rank]`` counts the rank's batches."""
+
+    seen: tuple
+    batches: tuple
+
+    def per_rank(self) -> list[list[int]]:
+        return [[i for w in rank for i in w] for rank in self.seen]
+
+    def per_worker(self) -> list[list[int]]:
+        return [w for rank in self.seen for w in rank]
+
+
+def _read_rank(fmt: str, urls, workers: int, batch_size: int, options: dict):
+    """One rank's epoch: ``[indices of worker 0, worker 1, ...], batches``."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if fmt == "webdataset":
+        ds = webdataset_stream(urls, **options)
+    else:
+        ds = hf_stream(urls, rank, world, **options).map(_hf_worker)
+    # workers start as run_distributed arranges (the caller's start method)
+    loader = DataLoader(ds, batch_size=batch_size, num_workers=workers)
+    seen = [[] for _ in range(max(workers, 1))]
+    batches = 0
+    for batch in loader:
+        worker, index = _worker_and_index(fmt, batch)
+        seen[worker].extend(index)
+        batches += 1
+    return seen, batches
+
+
+def _worker_and_index(fmt: str, batch) -> tuple[int, list[int]]:
+    if fmt == "webdataset":
+        worker, index = batch[0], batch[1]
+    else:
+        worker, index = batch["worker"], batch["index"]
+    return int(worker[0]), [int(i) for i in index]
+
+
+def read_epoch(fmt: str, urls, world_size: int, workers: int, batch_size: int = 1,
+               timeout: float = 120.0, **options) -> Read:
+    """One epoch of ``fmt`` (``"webdataset"`` or ``"parquet"``) over ``urls`` on
+    ``world_size`` local ranks with ``workers`` DataLoader workers each and batches of
+    ``batch_size``; ``options`` go to ``webdataset_stream`` or ``hf_stream``."""
+    from .launch import run_distributed
+
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    out = run_distributed(_read_rank, world_size, fmt, list(urls), workers, batch_size,
+                          options, timeout=timeout)
+    return Read(seen=tuple(tuple(tuple(w) for w in s) for s, _ in out),
+                batches=tuple(b for _, b in out))
