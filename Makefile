@@ -109,7 +109,7 @@ test-notebooks: $(STAMP)
 # whose workers start from the training scripts' own fork servers under any start method, runs in
 # the fork pass only. tests/test_notebooks.py fails if a chapter that starts workers is in neither
 # list. make test-utils-spawn runs the utils tests under spawn, as a Mac runs them.
-PORTABLE_NOTEBOOKS := 00_the_picture 03_set_epoch 06_seeding 07_iterable_datasets 10_ddp_from_scratch 13_loader_throughput 14_permutation_sampler appendix_common_mistakes
+PORTABLE_NOTEBOOKS := 00_the_picture 03_set_epoch 06_seeding 07_iterable_datasets 10_ddp_from_scratch 13_loader_throughput 14_permutation_sampler 15_streams_of_shards appendix_common_mistakes
 SPAWN_NOTEBOOKS := 05_workers
 # chapters that start workers only through scripts that choose their own start method
 OWN_START_NOTEBOOKS := 11_cifar10_ddp 12_surviving_a_cluster
@@ -141,6 +141,7 @@ bench: $(STAMP)
 	$(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2 -m utils.step_bench --device cpu \
 		--synthetic --synthetic-size 512 256 --global-batch 8 --workers 0 --loader gpu --rounds 9 \
 		--data runs/step_bench/data --out runs/step_bench/out --result book/results/step_overhead_cpu.json
+	$(BIN)/python -m utils.stream_bench --out book/results/stream_throughput_cpu.json
 
 clean:
 	rm -rf _build

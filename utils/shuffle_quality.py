@@ -31,7 +31,7 @@ from .samplers import (_feistel, cycle_walk, exact_order, permute, round_keys,
 
 __all__ = ["KINDS", "orders", "first_pair_chi_square", "whole_orders",
            "whole_order_chi_square",
-           "neighbours_per_order", "epoch_correlation", "first_version_feistel",
+           "neighbours_per_order", "neighbours", "epoch_correlation", "first_version_feistel",
            "parity", "quality_table"]
 
 KINDS = ("exact", "feistel", "first version", "torch.randperm")
@@ -127,8 +127,13 @@ def whole_order_chi_square(kind: str, n: int = 5, seeds: int = 20000) -> float:
 def neighbours_per_order(kind: str, n: int, seeds: int) -> float:
     """Mean count of positions ``p`` with ``|order[p + 1] - order[p]| == 1``: about
     ``2 (n - 1) / n`` for a uniform permutation."""
-    rows = orders(kind, n, n, range(seeds))
-    return float((np.abs(np.diff(rows, axis=1)) == 1).sum(axis=1).mean())
+    return float(neighbours(orders(kind, n, n, range(seeds))).mean())
+
+
+def neighbours(rows: np.ndarray) -> np.ndarray:
+    """For each row (an order), the count of positions ``p`` with
+    ``|row[p + 1] - row[p]| == 1``."""
+    return (np.abs(np.diff(rows, axis=1)) == 1).sum(axis=1)
 
 
 def epoch_correlation(kind: str, n: int = 1000,

@@ -5,8 +5,8 @@ workers through each library's remote path (chapter 15).
 - ``write_webdataset`` / ``write_parquet``: ``shards`` shards of consecutive indices
   (``numpy.array_split``'s sizes), each sample carrying its index, so that what a
   reader saw can be audited (``utils.audit``);
-- ``ShardServer``: ``python -m http.server`` on ``127.0.0.1`` and a port the OS picks,
-  in its own process, as a stand-in for S3, GCS or a CDN;
+- ``ShardServer``: Python's ``http.server`` on ``127.0.0.1`` and a port the OS picks,
+  in its own process, answering Range requests, as a stand-in for S3, GCS or a CDN;
 - ``webdataset_stream`` / ``hf_stream``: each library's stream as a reader writes it
   (WebDataset: ``split_by_node`` and ``split_by_worker``; ``datasets``:
   ``split_dataset_by_node``), yielding ``(index, image, label)``;
@@ -16,7 +16,11 @@ workers through each library's remote path (chapter 15).
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import io
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -26,8 +30,9 @@ import numpy as np
 from ._checks import check_int
 
 __all__ = ["FORMATS", "stand_in", "shard_bounds", "write_webdataset", "write_parquet",
-           "ShardServer", "webdataset_stream", "hf_stream", "read_epoch", "Read",
-           "assignment_table"]
+           "ShardServer", "webdataset_stream", "hf_stream", "read_epoch", "resume_epoch",
+           "Read",
+           "assignment_table", "captured_log"]
 
 FORMATS = ("webdataset", "parquet")
 _PATTERNS = {"webdataset": "train-{:06d}.tar", "parquet": "train-{:06d}.parquet"}
@@ -35,11 +40,13 @@ _PATTERNS = {"webdataset": "train-{:06d}.tar", "parquet": "train-{:06d}.parquet"
 
 def stand_in(root: str, n: int) -> tuple[np.ndarray, np.ndarray]:
     """The first ``n`` training images (uint8, ``n x 32 x 32 x 3``) and labels of the
-    generated CIFAR-10 stand-in under ``root`` (written there if missing)."""
+    generated CIFAR-10 stand-in under ``root`` (written there if missing, with the
+    sizes ``python -m utils.train_cifar10 --synthetic`` writes by default while ``n``
+    is at most 5,000, so that the script can use the same folder)."""
     from .data import load_cifar10, write_synthetic_cifar10
 
     n = check_int("n", n, minimum=1)
-    write_synthetic_cifar10(root, n_train=max(n, 5), n_test=10)
+    write_synthetic_cifar10(root, n_train=max(n, 5000), n_test=1000)
     train = load_cifar10(root, train=True)
     if len(train) < n:
         raise ValueError(f"{root} holds {len(train)} training images; asked for {n}")
@@ -105,8 +112,10 @@ def write_parquet(folder: str, images: np.ndarray, labels, shards: int) -> list[
 
 
 class ShardServer:
-    """``python -m http.server`` serving ``folder`` on ``127.0.0.1``, on a port the OS
-    picks, in a process of its own (a reader's S3 bucket, GCS or CDN in miniature).
+    """Python's ``http.server`` serving ``folder`` on ``127.0.0.1``, on a port the OS
+    picks, in a process of its own (a reader's S3 bucket, GCS or CDN in miniature),
+    answering HTTP Range requests as those do (``RangeRequestHandler``): a Parquet
+    reader fetches a file's footer first, then the parts it needs.
 
     Use it as a context manager, or call ``close()``: the server process is stopped
     and waited for. ``url(name)`` is the address of one file."""
@@ -115,10 +124,12 @@ class ShardServer:
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"no folder {folder!r} to serve")
         self.folder = folder
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
         self._proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", "http.server", "0", "--bind", "127.0.0.1",
-             "--directory", folder],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            [sys.executable, "-u", "-m", "utils.streams", "serve", folder],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         line = self._first_line(timeout)
         # "Serving HTTP on 127.0.0.1 port 41234 (http://127.0.0.1:41234/) ..."
         self.port = int(line.split(" port ")[1].split()[0])
@@ -191,16 +202,21 @@ def webdataset_stream(urls, shuffle: int = 0, seed: int = 0, resampled: bool = F
         if epoch_samples is None:
             raise ValueError("resampled=True streams forever: pass epoch_samples, "
                              "the samples each worker yields per epoch")
-        ds = wds.WebDataset(urls, resampled=True, seed=seed, empty_check=False)
-    else:
-        ds = wds.WebDataset(urls, nodesplitter=wds.split_by_node,
-                            workersplitter=wds.split_by_worker,
-                            shardshuffle=seed if shuffle else False,
-                            empty_check=False)
+        # WebDataset(resampled=True) as a pipeline, to seed it: each worker of each
+        # rank draws shards on its own (seeded by seed, rank and worker), nothing split
+        stages = [wds.ResampledShards(urls, seed=seed, deterministic=True),
+                  wds.tarfile_to_samples()]
+        if shuffle:
+            stages.append(wds.shuffle(shuffle, seed=seed))
+        return wds.DataPipeline(*stages, wds.decode(), wds.map(_wds_sample)).with_epoch(
+            epoch_samples)
+    ds = wds.WebDataset(urls, nodesplitter=wds.split_by_node,
+                        workersplitter=wds.split_by_worker,
+                        shardshuffle=100 if shuffle else False,
+                        detshuffle=True, seed=seed, empty_check=False)
     if shuffle:
         ds = ds.shuffle(shuffle, seed=seed)
-    ds = ds.decode().map(_wds_sample)
-    return ds.with_epoch(epoch_samples) if resampled else ds
+    return ds.decode().map(_wds_sample)
 
 
 def _hf_worker(row: dict) -> dict:
@@ -243,8 +259,10 @@ class Read:
         return [w for rank in self.seen for w in rank]
 
 
-def _read_rank(fmt: str, urls, workers: int, batch_size: int, options: dict):
-    """One rank's epoch: ``[indices of worker 0, worker 1, ...], batches``."""
+def _make_loader(fmt: str, urls, workers: int, batch_size: int, options: dict,
+                 state: dict | None = None):
+    """This rank's loader: a ``DataLoader``, or with ``state`` (``{}``: a fresh start)
+    torchdata's ``StatefulDataLoader``, which saves and loads its place."""
     import torch.distributed as dist
     from torch.utils.data import DataLoader
 
@@ -253,15 +271,31 @@ def _read_rank(fmt: str, urls, workers: int, batch_size: int, options: dict):
         ds = webdataset_stream(urls, **options)
     else:
         ds = hf_stream(urls, rank, world, **options).map(_hf_worker)
-    # workers start as run_distributed arranges (the caller's start method)
-    loader = DataLoader(ds, batch_size=batch_size, num_workers=workers)
+    if state is None:
+        # workers start as run_distributed arranges (the caller's start method)
+        return DataLoader(ds, batch_size=batch_size, num_workers=workers)
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    loader = StatefulDataLoader(ds, batch_size=batch_size, num_workers=workers)
+    if state:
+        loader.load_state_dict(state)
+    return loader
+
+
+def _read_rank(fmt: str, urls, workers: int, batch_size: int, options: dict,
+               state: dict | None = None, stop_after: int | None = None):
+    """One rank's epoch, or its first ``stop_after`` batches: ``(indices each worker
+    yielded, batches, the loader's state_dict or None)``."""
+    loader = _make_loader(fmt, urls, workers, batch_size, options, state)
     seen = [[] for _ in range(max(workers, 1))]
     batches = 0
     for batch in loader:
         worker, index = _worker_and_index(fmt, batch)
         seen[worker].extend(index)
         batches += 1
-    return seen, batches
+        if batches == stop_after:
+            break
+    return seen, batches, (None if state is None else loader.state_dict())
 
 
 def _worker_and_index(fmt: str, batch) -> tuple[int, list[int]]:
@@ -272,6 +306,16 @@ def _worker_and_index(fmt: str, batch) -> tuple[int, list[int]]:
     return int(worker[0]), [int(i) for i in index]
 
 
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+
+
+def _as_read(out) -> "Read":
+    return Read(seen=tuple(tuple(tuple(w) for w in s) for s, _, _ in out),
+                batches=tuple(b for _, b, _ in out))
+
+
 def read_epoch(fmt: str, urls, world_size: int, workers: int, batch_size: int = 1,
                timeout: float = 120.0, **options) -> Read:
     """One epoch of ``fmt`` (``"webdataset"`` or ``"parquet"``) over ``urls`` on
@@ -279,9 +323,134 @@ def read_epoch(fmt: str, urls, world_size: int, workers: int, batch_size: int = 
     ``batch_size``; ``options`` go to ``webdataset_stream`` or ``hf_stream``."""
     from .launch import run_distributed
 
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    _check_format(fmt)
     out = run_distributed(_read_rank, world_size, fmt, list(urls), workers, batch_size,
                           options, timeout=timeout)
-    return Read(seen=tuple(tuple(tuple(w) for w in s) for s, _ in out),
-                batches=tuple(b for _, b in out))
+    return _as_read(out)
+
+
+def resume_epoch(fmt: str, urls, world_size: int, workers: int, batch_size: int,
+                 stop_after: int, timeout: float = 120.0,
+                 **options) -> tuple[Read, Read]:
+    """One epoch read through torchdata's ``StatefulDataLoader``, stopped after
+    ``stop_after`` batches on every rank, its ``state_dict`` kept, and finished by
+    fresh processes that load it: ``(before the stop, after the resume)``."""
+    from .launch import run_distributed
+
+    _check_format(fmt)
+    stop_after = check_int("stop_after", stop_after, minimum=1)
+    args = (fmt, list(urls), workers, batch_size, options)
+    first = run_distributed(_read_rank, world_size, *args, {}, stop_after,
+                            timeout=timeout)
+    states = [state for _, _, state in first]
+    rest = run_distributed(_resume_rank, world_size, *args, states, timeout=timeout)
+    return _as_read(first), _as_read(rest)
+
+
+def _resume_rank(fmt, urls, workers, batch_size, options, states):
+    import textwrap
+
+    import torch.distributed as dist
+
+    with captured_log("torchdata") as said:
+        out = _read_rank(fmt, urls, workers, batch_size, options,
+                         states[dist.get_rank()])
+    for message in dict.fromkeys(said):  # once each, wrapped to fit a page
+        print(textwrap.fill(f"StatefulDataLoader: {message}", 76))
+    return out
+
+
+@contextlib.contextmanager
+def captured_log(name: str):
+    """The messages logger ``name`` (and its children) emits inside the block, as a list
+    of strings, instead of on stderr."""
+    import logging
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger(name)
+    handlers, propagate = logger.handlers[:], logger.propagate
+    logger.handlers[:], logger.propagate = [Keep()], False
+    try:
+        yield records
+    finally:
+        logger.handlers[:], logger.propagate = handlers, propagate
+
+
+def assignment_table(read: Read, n: int, shards: int) -> str:
+    """Which shards each worker of each rank read (``3:10`` is 10 samples of shard 3;
+    ``3:5/10`` is 5 of its 10), and each rank's samples and batches."""
+    bounds = shard_bounds(n, shards)
+    starts = np.array([first for first, _ in bounds])
+    lines = []
+    for rank, workers in enumerate(read.seen):
+        for w, seen in enumerate(workers):
+            shard_of = np.searchsorted(starts, np.asarray(seen, dtype=np.int64),
+                                       side="right") - 1
+            cells = []
+            for s, count in zip(*np.unique(shard_of, return_counts=True)):
+                size = bounds[s][1] - bounds[s][0]
+                cells.append(f"{s}:{count}" if count == size else f"{s}:{count}/{size}")
+            lines.append(f"rank {rank} worker {w}: {' '.join(cells) or '(nothing)'}")
+        lines.append(f"rank {rank}: {sum(map(len, workers))} samples in "
+                     f"{read.batches[rank]} batches")
+    return "\n".join(lines)
+
+
+class RangeRequestHandler(http.server.SimpleHTTPRequestHandler):
+    """``http.server``'s file handler, answering one byte range (``Range: bytes=a-b``,
+    ``a-`` or ``-n``) with ``206 Partial Content``, as object stores and CDNs do;
+    anything else as ``http.server`` does."""
+
+    def send_head(self):
+        match = re.fullmatch(r"bytes=(\d*)-(\d*)",
+                             (self.headers.get("Range") or "").strip())
+        path = self.translate_path(self.path)
+        if not match or match.groups() == ("", "") or not os.path.isfile(path):
+            return super().send_head()
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            first, last = match.groups()
+            if first == "":
+                start, stop = max(size - int(last), 0), size
+            else:
+                start, stop = int(first), min(int(last) + 1 if last else size, size)
+            if start >= stop:
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{size}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return None
+            f.seek(start)
+            body = f.read(stop - start)
+        self.send_response(206)
+        self.send_header("Content-Type", self.guess_type(path))
+        self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{size}")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Accept-Ranges", "bytes")
+        self.end_headers()
+        return io.BytesIO(body)
+
+    def log_message(self, *args) -> None:  # one line per request is noise here
+        pass
+
+
+def serve(folder: str, port: int = 0) -> None:
+    """Serve ``folder`` on ``127.0.0.1:port`` (0: a free one) until stopped; prints
+    ``Serving HTTP on 127.0.0.1 port N ...`` first, as ``python -m http.server``."""
+    import functools
+
+    http.server.test(HandlerClass=functools.partial(RangeRequestHandler,
+                                                    directory=folder),
+                     ServerClass=http.server.ThreadingHTTPServer, port=port,
+                     bind="127.0.0.1")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "serve":
+        sys.exit("usage: python -m utils.streams serve FOLDER")
+    serve(sys.argv[2])

@@ -40,7 +40,12 @@ for the GPU. ``--compile`` compiles the model.
 Each epoch rank 0 writes one JSON line to ``OUT/metrics.jsonl``: ``epoch``, ``step``,
 ``train_loss`` (the mean over the epoch's steps and ranks), ``test_accuracy``,
 ``images_per_s``, ``epoch_seconds``, ``world_size``, ``data``, ``model``,
-``device``, and ``loader`` (``gpu`` or ``workers``; added with ``--loader``).
+``device``, and ``loader`` (``gpu`` or ``workers``; added with ``--loader``;
+``webdataset`` with ``--data-format webdataset``).
+
+``--data-format webdataset --shards URLS`` trains on WebDataset tar shards (over HTTP,
+or paths) instead of ``--data``'s training set, with the same augmentation and the same
+number of steps on every rank (``shards``); it resumes at epoch ends only.
 
 The modules follow the sections of chapter 12, each of which names its module:
 
@@ -52,6 +57,7 @@ The modules follow the sections of chapter 12, each of which names its module:
     restarts      step 4: a store per attempt; timeouts that turn a hang into a restart
     preemption    step 4: a signal, one agreed checkpoint, exit code 75
     loaders       step 5: the GPU loader, or DataLoader workers
+    shards        --data-format webdataset: tar shards, as many steps on every rank
     launcher      launching it: checks of torchrun, srun and the GPUs; the process group
     steps         the run, one named step after another (``main``, ``run``)
 
@@ -77,18 +83,23 @@ from .restarts import (FIND_STORE_SECONDS, attempt_store, init_process_group,
                        shorten_timeouts)
 from .preemption import (EXIT_PREEMPTED, PREEMPTED, STOP_CHECK_EVERY, Preemption,
                          refuse_restart_after_preemption, this_run, write_preempted)
+from .shards import (IMAGE_KEYS, SHUFFLE_BUFFER, EpochBatches, ShardStream,
+                     StreamAugment, check_dealing, check_resume, count_samples, deal,
+                     expand_shards, open_shards, sample_index, shard_counts,
+                     steps_per_epoch, stream_loader)
 from .loaders import (FIT_FRACTION, agreed_free_memory, batch_dtype, choose_loader,
                       eval_workers, make_train_loader, shield_worker, worker_start)
 from .launcher import (check_compile, check_gpus, launcher_args, refuse_elastic_nnodes,
                        refuse_srun_without_torchrun, setup_distributed)
-from .steps import (build_data, build_model, Data, end_epoch, evaluate, finish,
+from .steps import (build_data, build_model, Data, data_format_cannot_resume_here,
+                    end_epoch, evaluate, finish,
                     grad_scaler, Job, main, prepare_only, progress_bar,
                     resume_or_start, rng_states, run, save, set_up_job, show_progress,
                     start_log, train, train_epoch, train_step, Training,
                     use_deterministic_algorithms, wrap_model)
 
 MODULES = ("settings", "recipe", "augment", "checkpoints", "per_node", "restarts",
-           "preemption", "loaders", "launcher", "steps")
+           "preemption", "loaders", "shards", "launcher", "steps")
 
 
 class _Package(types.ModuleType):

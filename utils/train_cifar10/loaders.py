@@ -2,7 +2,7 @@
 
 Which training loader (``choose_loader``), DataLoader workers that a scheduler's signal
 leaves alone, and the loader itself (the GPU loader, or a DataLoader over an
-``EpochSampler``)."""
+``EpochSampler``, or over WebDataset shards: ``shards``)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from ..gpu_loader import GPULoader
 from ..workers import ignore_stop_signals, worker_context
 from .augment import KeyedAugment
 from .checkpoints import EpochSampler
+from .shards import EpochBatches, ShardStream, stream_loader
 
 if TYPE_CHECKING:
     from .steps import Job
@@ -115,11 +116,15 @@ def shield_worker(worker_id: int) -> None:
     ignore_stop_signals()
 
 
-def make_train_loader(args, job: Job, train_set: KeyedAugment, loader: str,
-                      loader_kwargs: dict) -> tuple[GPULoader | DataLoader,
-                                                    EpochSampler | None]:
-    """``(train_loader, sampler)``: the GPU loader (no sampler), or a DataLoader
-    over an ``EpochSampler``."""
+def make_train_loader(args, job: Job, train_set: KeyedAugment | ShardStream,
+                      loader: str, loader_kwargs: dict
+                      ) -> tuple[GPULoader | DataLoader | EpochBatches,
+                                 EpochSampler | None]:
+    """``(train_loader, sampler)``: the GPU loader (no sampler), a DataLoader over an
+    ``EpochSampler``, or with ``--data-format webdataset`` one over the shards, cut to
+    the steps every rank runs (``shards``: no sampler)."""
+    if loader == "webdataset":
+        return stream_loader(train_set, job, loader_kwargs), None
     if loader == "gpu":
         # ShardSampler's order cut to whole global batches, as EpochSampler's
         return GPULoader(train_set.data, train_set.targets, job.batch_size,

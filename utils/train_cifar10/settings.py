@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .shards import expand_shards
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     # the package's docstring's first paragraph (argparse re-flows it onto one line)
@@ -27,6 +29,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="download (--download) or write (--synthetic) the data into "
                         "--data, then stop: stages it before a cluster job whose "
                         "nodes have no network (one process, no torchrun)")
+    p.add_argument("--data-format", choices=["cifar", "webdataset"], default="cifar",
+                   help="the training set: cifar: the python batches in --data; "
+                        "webdataset: the tar shards of --shards, read by DataLoader "
+                        "workers (the test set stays --data's)")
+    p.add_argument("--shards", metavar="URLS",
+                   help="--data-format webdataset's shards: a brace pattern or a "
+                        "comma list of URLs or paths, e.g. "
+                        "http://HOST:PORT/train-{000000..000007}.tar")
     p.add_argument("--model", choices=["simplecnn", "resnet18"], default="simplecnn")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--global-batch", type=int, default=256,
@@ -125,3 +135,26 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if min(args.synthetic_size) < 5:
         p.error(f"--synthetic-size needs two numbers of at least 5, "
                 f"got {args.synthetic_size}")
+    check_data_format(p, args)
+
+
+def check_data_format(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--data-format webdataset`` needs ``--shards`` and the workers loader, and
+    cannot resume mid-epoch (``shards``); ``--shards`` needs it."""
+    if args.data_format == "cifar":
+        if args.shards is not None:
+            p.error("--shards is for --data-format webdataset: add that, or drop "
+                    "--shards to train on the CIFAR-10 batches in --data")
+        return
+    if not args.shards or not expand_shards(args.shards):
+        p.error("--data-format webdataset needs --shards URLS: a brace pattern or a "
+                "comma list, e.g. http://HOST:PORT/train-{000000..000007}.tar")
+    if args.loader == "gpu":
+        p.error("--loader gpu keeps a CIFAR-format training set on the device; "
+                "--data-format webdataset streams shards through DataLoader "
+                "workers: use --loader workers (or auto)")
+    if args.checkpoint_every:
+        p.error("--checkpoint-every writes checkpoints mid-epoch, and --data-format "
+                "webdataset cannot resume from one (a stream of shards has no "
+                "position to restart from): it resumes from the checkpoint written "
+                "at each epoch's end; drop --checkpoint-every")

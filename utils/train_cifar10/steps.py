@@ -39,6 +39,7 @@ from .preemption import (EXIT_PREEMPTED, PREEMPTED, STOP_CHECK_EVERY, Preemption
 from .recipe import make_model, one_cycle, per_process_batch
 from .restarts import shorten_timeouts
 from .settings import parse_args
+from .shards import EpochBatches, ShardStream, check_resume, open_shards
 
 
 def main(argv=None) -> None:
@@ -143,13 +144,13 @@ def set_up_job(args) -> Job:
 @dataclass
 class Data:
     """The data sets and their loaders."""
-    train_set: KeyedAugment
+    train_set: KeyedAugment | ShardStream
     test_set: KeyedAugment
     synthetic: bool
     steps_per_epoch: int
-    loader: str  # "gpu" or "workers"
-    why: str  # why that loader (choose_loader)
-    train_loader: GPULoader | DataLoader
+    loader: str  # "gpu", "workers" or "webdataset" (--data-format)
+    why: str  # why that loader (choose_loader, open_shards)
+    train_loader: GPULoader | DataLoader | EpochBatches
     sampler: EpochSampler | None  # the workers loader's
     test_loader: DataLoader
 
@@ -157,29 +158,40 @@ class Data:
         """Start the training loader at step ``step_in_epoch`` of ``epoch``."""
         if self.loader == "gpu":
             self.train_loader.set_epoch(epoch, start_batch=step_in_epoch)
+        elif self.loader == "webdataset":
+            self.train_set.set_epoch(epoch, step_in_epoch)
         else:
             self.sampler.set_epoch(epoch, start=step_in_epoch * batch_size,
                                    stop=self.steps_per_epoch * batch_size)
 
 
 def build_data(args, job: Job) -> Data:
-    """The data sets, the training loader (``--loader``) and the test loader."""
+    """The data sets, the training loader (``--loader``; the shards' with
+    ``--data-format webdataset``) and the test loader."""
     # prepared once per node; every process reads its own copy
     prepare_data(args, job.local_rank, job.ddp)
     synthetic = is_synthetic_cifar10(args.data)
-    train_set = KeyedAugment(load_cifar10(args.data, train=True), args.seed, train=True)
     test_set = KeyedAugment(load_cifar10(args.data, train=False), args.seed,
                             train=False)
-    check_same_data(train_set, test_set, synthetic, job.ddp)
-    # whole global batches: the same on any world size
-    steps_per_epoch = len(train_set) // args.global_batch
-    if steps_per_epoch == 0:
-        raise SystemExit(f"error: {len(train_set)} training images is less than one "
-                         f"global batch of {args.global_batch}")
-    loader, why = choose_loader(args.loader, job.device,
-                                resident_bytes(train_set.data, dtype=batch_dtype(args),
-                                               num_replicas=job.world_size),
-                                agreed_free_memory(job.device, job.ddp))
+    if args.data_format == "webdataset":
+        check_same_data(test_set, test_set, synthetic, job.ddp)  # the test set's
+        # shards counted, dealt, cut to the same steps on every rank (shards)
+        train_set, why = open_shards(args, job)
+        steps_per_epoch, loader = train_set.steps_per_epoch, "webdataset"
+    else:
+        train_set = KeyedAugment(load_cifar10(args.data, train=True), args.seed,
+                                 train=True)
+        check_same_data(train_set, test_set, synthetic, job.ddp)
+        # whole global batches: the same on any world size
+        steps_per_epoch = len(train_set) // args.global_batch
+        if steps_per_epoch == 0:
+            raise SystemExit(f"error: {len(train_set)} training images is less than "
+                             f"one global batch of {args.global_batch}")
+        loader, why = choose_loader(args.loader, job.device,
+                                    resident_bytes(train_set.data,
+                                                   dtype=batch_dtype(args),
+                                                   num_replicas=job.world_size),
+                                    agreed_free_memory(job.device, job.ddp))
     loader_kwargs = dict(num_workers=args.workers, pin_memory=job.cuda,
                          persistent_workers=args.workers > 0,
                          worker_init_fn=WatchParent(shield_worker),
@@ -252,6 +264,8 @@ def resume_or_start(args, job: Job, data: Data, model: nn.Module, optimizer,
     refuse_restart_after_preemption(args, job)
     state = (agree_on_resume(training.path, training.config, job.rank, job.ddp)
              if args.resume else None)
+    if state is not None and data.loader == "webdataset":
+        check_resume(state, data.steps_per_epoch, training.path)  # on every rank
     if job.master and os.path.exists(os.path.join(args.out, PREEMPTED)):
         os.remove(os.path.join(args.out, PREEMPTED))  # this run goes on from it
     if args.resume and state is None and job.master:
@@ -332,7 +346,12 @@ def save(args, training: Training, job: Job) -> None:
     """Rank 0 writes the checkpoint (unless this step's is written already: a stop
     agreed at a periodic save's step) and, after a stop, ``preempted.json``; every rank
     waits for it."""
-    if training.saved_step != training.step:
+    if data_format_cannot_resume_here(args, training):
+        if job.master:
+            print(f"--data-format webdataset: no checkpoint mid-epoch (a stream of "
+                  f"shards cannot resume there); {training.path}, if any, stays the "
+                  f"last epoch's end", flush=True)
+    elif training.saved_step != training.step:
         # mid-epoch, the epoch's loss so far (a collective: on every rank)
         epoch_loss = (training.epoch_loss(job.world_size) if training.step_in_epoch
                       else (0.0, 0))
@@ -357,14 +376,24 @@ def save(args, training: Training, job: Job) -> None:
         dist.barrier()
 
 
+def data_format_cannot_resume_here(args, training: Training) -> bool:
+    """A stop mid-epoch with ``--data-format webdataset``: a checkpoint here could not
+    be resumed (``shards``), and would replace the last epoch's, which can."""
+    return args.data_format == "webdataset" and training.step_in_epoch > 0
+
+
 def start_log(args, job: Job, data: Data):
     """Rank 0 opens ``metrics.jsonl`` and says what runs where; others get ``None``."""
     if not job.master:
         return None
     metrics = open(os.path.join(args.out, "metrics.jsonl"), "a" if args.resume else "w")
-    print(f"{'synthetic' if data.synthetic else 'real'} CIFAR-10 in {args.data}: "
-          f"{len(data.train_set)} train, "
-          f"{len(data.test_set)} test images; {job.world_size} process(es), "
+    sets = (f"{'synthetic' if data.synthetic else 'real'} CIFAR-10 in {args.data}: "
+            f"{len(data.train_set)} train, {len(data.test_set)} test images")
+    if data.loader == "webdataset":  # the training images are the shards'
+        sets = (f"{len(data.train_set)} train images in "
+                f"{len(data.train_set.urls)} WebDataset shards; "
+                + sets.replace(f"{len(data.train_set)} train, ", ""))
+    print(f"{sets}; {job.world_size} process(es), "
           f"{job.device.type}, "
           f"{dist.get_backend() if job.ddp else 'no process group'}; "
           f"global batch {args.global_batch} = {job.batch_size} x {job.world_size}",
