@@ -42,10 +42,10 @@ test: check-browser $(STAMP)
 	$(MAKE) --no-print-directory -j$(LANES) $(SYNC) JOBS=$(JOBS_PER_LANE) test-lane-fork test-lane-portable
 
 # Lane 2 also takes the utils tests that run the training script as SLURM and GPU-check jobs,
-# four chapters of the fork pass, and the browser test at its end, so that the lanes take about
+# five chapters of the fork pass, and the browser test at its end, so that the lanes take about
 # as long (a fresh-clone run with them all in lane 1 had lane 1 at twice lane 2's time)
 LANE2_UTILS := tests/test_slurm_recipe.py tests/test_gpu_check.py
-LANE2_NOTEBOOKS := 06_seeding 09_distributed_evaluation 10_ddp_from_scratch 12_surviving_a_cluster
+LANE2_NOTEBOOKS := 06_seeding 09_distributed_evaluation 10_ddp_from_scratch 12_surviving_a_cluster 15_streams_of_shards
 
 test-lane-fork: $(STAMP)
 	$(UTILS_TESTS) $(LANE2_UTILS:%=--ignore=%)

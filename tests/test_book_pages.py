@@ -93,3 +93,26 @@ def test_no_placeholder_in_config_or_pages():
     for path in PAGES:
         text = path.read_text()
         assert "<this repository>" not in text and "<it>" not in text, path.name
+
+
+def test_timing_only_some_chapters_keeps_the_others_with_their_dates(tmp_path,
+                                                                      monkeypatch):
+    from utils import notebook_times
+
+    out = tmp_path / "times.json"
+    out.write_text(json.dumps({"seconds": {"notebooks/01_samplers.ipynb": 5.0,
+                                           "notebooks/02_distributed_sampler.ipynb": 9.0},
+                               "date": "2026-01-01T00:00:00+00:00"}))
+    monkeypatch.setattr(notebook_times, "time_notebook", lambda path: 70.0)
+    monkeypatch.setattr(notebook_times.results, "write",
+                        lambda path, result, sources: out.write_text(json.dumps(result)))
+    notebook_times.main(["--only", "notebooks/02_distributed_sampler.ipynb",
+                         "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written["seconds"] == {"notebooks/01_samplers.ipynb": 5.0,
+                                  "notebooks/02_distributed_sampler.ipynb": 70.0}
+    assert written["measured"]["notebooks/01_samplers.ipynb"].startswith("2026-01-01")
+    assert written["measured"]["notebooks/02_distributed_sampler.ipynb"] == \
+        written["date"]
+    with pytest.raises(SystemExit, match="not in _toc.yml"):
+        notebook_times.main(["--only", "notebooks/nope.ipynb", "--out", str(out)])

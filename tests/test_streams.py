@@ -185,3 +185,31 @@ def test_the_server_serves_files_and_byte_ranges_and_stops(tmp_path):
     assert server._proc.poll() is not None
     assert not os.path.exists(f"/proc/{pid}") or "zombie" not in open(
         f"/proc/{pid}/status").read().lower()
+
+
+def test_datasets_strategy_shards_deals_whole_shards_even_when_they_do_not_divide(
+        served):
+    read = streams.read_epoch("parquet", served["parquet", 7], 4, 2, strategy="shards")
+    assert audit_shards(read.per_worker(), 70).is_partition
+    assert read.batches == (20, 20, 20, 10)
+
+
+def test_webdatasets_shard_shuffle_repeats_each_epoch_unless_workers_persist(served):
+    """detshuffle counts epochs in the worker's copy of the data set: a worker started
+    anew each epoch starts from the same count, and draws the same shard order."""
+    first, second = streams.webdataset_shard_orders(served["webdataset", 8],
+                                                    persistent=False)
+    assert first == second and first != sorted(first)
+    first, second = streams.webdataset_shard_orders(served["webdataset", 8],
+                                                    persistent=True)
+    assert first != second
+
+
+def test_webdataset_stream_shuffles_by_seed_and_epoch(served):
+    def order(epoch):
+        stream = streams.webdataset_stream(served["webdataset", 8][:2], shuffle=8,
+                                           seed=3, epoch=epoch)
+        return [index for _, index, _, _ in stream]
+
+    assert order(0) == order(0) != order(1)
+    assert sorted(order(1)) == list(range(16))

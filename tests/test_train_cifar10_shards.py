@@ -6,7 +6,6 @@ the ranks' shards hold different numbers of samples, and a resume at an epoch's 
 import hashlib
 import json
 import os
-import sys
 from collections import Counter
 
 import numpy as np

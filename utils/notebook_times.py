@@ -91,6 +91,27 @@ def intro_with_times(text: str, seconds: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def _earlier(path: pathlib.Path) -> tuple[dict, dict]:
+    """The times an earlier run wrote to ``path``, and when each was measured."""
+    with open(path) as f:
+        earlier = json.load(f)
+    seconds = earlier["seconds"]
+    return dict(seconds), dict(earlier.get("measured") or
+                               {name: earlier["date"] for name in seconds})
+
+
+def _chosen(only: list[str] | None) -> list[pathlib.Path]:
+    notebooks = toc_notebooks()
+    if not only:
+        return notebooks
+    names = {p.relative_to(ROOT).as_posix(): p for p in notebooks}
+    unknown = sorted(set(only) - set(names))
+    if unknown:
+        raise SystemExit(f"--only: {unknown} not in _toc.yml; choose from "
+                         f"{sorted(names)}")
+    return [names[name] for name in only]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--update-intro", action="store_true",
@@ -98,21 +119,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=pathlib.Path, required=True,
                         help="JSON file to write, e.g. "
                              "book/results/notebook_times_cpu.json")
+    parser.add_argument("--only", nargs="+", metavar="NOTEBOOK",
+                        help="time only these notebooks (paths as in _toc.yml, e.g. "
+                             "notebooks/15_streams_of_shards.ipynb) and keep the "
+                             "others' times from --out, each with the date it was "
+                             "measured")
     args = parser.parse_args(argv)
-    times = {}
-    for path in toc_notebooks():
+    times, timed = _earlier(args.out) if args.only else ({}, {})
+    now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    for path in _chosen(args.only):
         seconds = time_notebook(path)
         name = path.relative_to(ROOT).as_posix()
-        times[name] = round(seconds, 1)
+        times[name], timed[name] = round(seconds, 1), now
         print(f"{name}: {seconds:.1f} s ({minutes_label(seconds)})", flush=True)
+    order = [p.relative_to(ROOT).as_posix() for p in toc_notebooks()]
     result = {
         "benchmark": "wall time of each chapter, run top to bottom in a fresh kernel",
-        "seconds": times,
+        "seconds": {name: times[name] for name in order if name in times},
+        "measured": {name: timed[name] for name in order if name in timed},
         "start_method": multiprocessing.get_start_method(),
         "environment": environment(),
         "command": "python -m utils.notebook_times "
                    + " ".join(sys.argv[1:] if argv is None else argv),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": now,
     }
     # not the notebooks among the sources: their times move by seconds with each edit,
     # and the landing page quotes them rounded to minutes (regenerate when a chapter's

@@ -31,7 +31,8 @@ from .samplers import (_feistel, cycle_walk, exact_order, permute, round_keys,
 
 __all__ = ["KINDS", "orders", "first_pair_chi_square", "whole_orders",
            "whole_order_chi_square",
-           "neighbours_per_order", "neighbours", "epoch_correlation", "first_version_feistel",
+           "neighbours_per_order", "neighbours", "epoch_correlation",
+           "first_version_feistel",
            "parity", "quality_table"]
 
 KINDS = ("exact", "feistel", "first version", "torch.randperm")

@@ -6,8 +6,9 @@ two minutes on 2 cores). One process reads one epoch through a ``DataLoader``
 
 - WebDataset tar shards (``utils.streams.webdataset_stream``) and Parquet shards read
   by Hugging Face ``datasets`` streaming (``utils.streams.hf_stream``);
-- each from local files and over HTTP from ``utils.streams.ShardServer``
-  (``python -m http.server`` on ``127.0.0.1``, a process of its own on the same cores);
+- each from local files and over HTTP from ``utils.streams.ShardServer`` (Python's
+  ``http.server`` on ``127.0.0.1``, answering Range requests as object stores do, a
+  process of its own on the same cores);
 - with 0, 1, 2 and 4 workers, started by ``utils.workers.worker_context``
   (``forkserver``: the reading process has threads, fsspec's for HTTP among them).
 
@@ -187,7 +188,8 @@ def run_stream_bench(images: int = FULL["images"], shards: int = FULL["shards"],
                          "page_cache": "warm: every shard read once before timing, "
                                        "and a warm-up epoch per case",
                          "worker_start_method": context.get_start_method(),
-                         "http_server": "python -m http.server on 127.0.0.1"},
+                         "http_server": "utils.streams.ShardServer: http.server "
+                                        "with Range requests, on 127.0.0.1"},
             "results": [_summary(c) for c in cases]}
 
 

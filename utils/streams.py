@@ -30,9 +30,9 @@ import numpy as np
 from ._checks import check_int
 
 __all__ = ["FORMATS", "stand_in", "shard_bounds", "write_webdataset", "write_parquet",
-           "ShardServer", "webdataset_stream", "hf_stream", "read_epoch", "resume_epoch",
-           "Read",
-           "assignment_table", "captured_log"]
+           "ShardServer", "RangeRequestHandler", "serve", "webdataset_stream",
+           "hf_stream", "read_epoch", "resume_epoch", "Read", "assignment_table",
+           "captured_log", "sample_shard", "webdataset_shard_orders"]
 
 FORMATS = ("webdataset", "parquet")
 _PATTERNS = {"webdataset": "train-{:06d}.tar", "parquet": "train-{:06d}.parquet"}
@@ -187,36 +187,67 @@ def _wds_sample(sample: dict) -> tuple:
             int(sample["cls"]))
 
 
-def webdataset_stream(urls, shuffle: int = 0, seed: int = 0, resampled: bool = False,
-                      epoch_samples: int | None = None):
+def webdataset_stream(urls, shuffle: int = 0, seed: int = 0, epoch: int = 0,
+                      resampled: bool = False, epoch_samples: int | None = None):
     """WebDataset's stream over ``urls`` as its documentation writes it for several
-    nodes: shards dealt to ranks by ``split_by_node`` (``urls[rank::world_size]``),
-    then to a rank's workers by ``split_by_worker`` (``[worker::num_workers]``).
-    ``shuffle=k``: shard order shuffled (seeded by ``seed`` and the epoch) and a
-    buffer of ``k`` samples. ``resampled=True``: WebDataset's fix for uneven shards
-    (each worker draws shards with replacement, forever), cut to ``epoch_samples``
-    per worker with ``with_epoch``. Yields ``(worker, index, image, label)``."""
+    nodes: shards dealt to ranks by ``split_by_node`` (``urls[rank::world_size]``,
+    rank and world size from the ``RANK`` and ``WORLD_SIZE`` environment variables,
+    which torchrun and ``utils.launch`` set, else from the process group), then to a
+    rank's workers by ``split_by_worker`` (``[worker::num_workers]``).
+    ``shuffle=k``: the order of each worker's shards shuffled and a buffer of ``k``
+    samples, both seeded by ``seed`` and ``epoch`` (pass the epoch: WebDataset's
+    ``detshuffle`` counts epochs in each worker's copy of the data set, which a worker
+    that is not persistent loses). ``resampled=True``: WebDataset's fix for uneven
+    shards (each worker draws shards with replacement, forever), cut to
+    ``epoch_samples`` per worker with ``with_epoch``. Yields ``(worker, index, image,
+    label)``."""
     import webdataset as wds
 
+    from .seeding import derive_seed  # not at the top: the server imports this module
+
+    seeded = derive_seed(seed, epoch)
     if resampled:
         if epoch_samples is None:
             raise ValueError("resampled=True streams forever: pass epoch_samples, "
                              "the samples each worker yields per epoch")
         # WebDataset(resampled=True) as a pipeline, to seed it: each worker of each
         # rank draws shards on its own (seeded by seed, rank and worker), nothing split
-        stages = [wds.ResampledShards(urls, seed=seed, deterministic=True),
+        stages = [wds.ResampledShards(urls, seed=seeded, deterministic=True),
                   wds.tarfile_to_samples()]
         if shuffle:
-            stages.append(wds.shuffle(shuffle, seed=seed))
+            stages.append(wds.shuffle(shuffle, seed=seeded))
         return wds.DataPipeline(*stages, wds.decode(), wds.map(_wds_sample)).with_epoch(
             epoch_samples)
     ds = wds.WebDataset(urls, nodesplitter=wds.split_by_node,
                         workersplitter=wds.split_by_worker,
                         shardshuffle=100 if shuffle else False,
-                        detshuffle=True, seed=seed, empty_check=False)
+                        detshuffle=True, seed=seeded, empty_check=False)
     if shuffle:
-        ds = ds.shuffle(shuffle, seed=seed)
+        ds = ds.shuffle(shuffle, seed=seeded)
     return ds.decode().map(_wds_sample)
+
+
+def sample_shard(sample: dict, per_shard: int = 8) -> int:
+    """The shard a raw WebDataset sample of ``per_shard``-sample shards came from (its
+    ``__key__`` is its index): for a picklable ``.map`` in tests and the chapter."""
+    return int(sample["__key__"]) // per_shard
+
+
+def webdataset_shard_orders(urls, persistent: bool, epochs: int = 2) -> list[list[int]]:
+    """The shards (``sample_shard``) one DataLoader worker reads in each of ``epochs``
+    epochs of WebDataset's own shard shuffle, ``WebDataset(urls, shardshuffle=100,
+    detshuffle=True, seed=0)``, with ``persistent_workers=persistent``."""
+    import webdataset as wds
+    from torch.utils.data import DataLoader
+
+    from .workers import worker_context
+
+    ds = wds.WebDataset(urls, shardshuffle=100, detshuffle=True, seed=0).map(
+        sample_shard)
+    loader = DataLoader(ds, batch_size=None, num_workers=1,
+                        persistent_workers=persistent,
+                        multiprocessing_context=worker_context())
+    return [list(dict.fromkeys(loader)) for _ in range(epochs)]
 
 
 def _hf_worker(row: dict) -> dict:
@@ -224,13 +255,15 @@ def _hf_worker(row: dict) -> dict:
     return {"worker": _worker_id()}
 
 
-def hf_stream(urls, rank: int, world_size: int, shuffle: int = 0, seed: int = 0):
+def hf_stream(urls, rank: int, world_size: int, shuffle: int = 0, seed: int = 0,
+              epoch: int = 0, strategy: str = "auto"):
     """Hugging Face ``datasets``' stream over the Parquet ``urls``, as its
     documentation writes it for several nodes: ``load_dataset("parquet", ...,
-    streaming=True)``, then ``split_dataset_by_node`` (whole shards per rank when the
-    shard count divides by ``world_size``, else every ``world_size``-th example of
-    every shard), ``shuffle(seed, buffer_size=k)`` when ``shuffle=k``. DataLoader
-    workers get whole shards of the rank's part. Yields dicts of ``worker``,
+    streaming=True)``, then ``split_dataset_by_node`` (``strategy="auto"``: whole
+    shards per rank when the shard count divides by ``world_size``, else every
+    ``world_size``-th example of every shard; ``"shards"``: whole shards always),
+    ``shuffle(seed, buffer_size=k)`` and ``set_epoch(epoch)`` when ``shuffle=k``.
+    DataLoader workers get whole shards of the rank's part. Yields dicts of
     ``index``, ``image`` (bytes) and ``label``."""
     import datasets
     from datasets.distributed import split_dataset_by_node
@@ -238,9 +271,10 @@ def hf_stream(urls, rank: int, world_size: int, shuffle: int = 0, seed: int = 0)
     datasets.disable_progress_bars()
     ds = datasets.load_dataset("parquet", data_files={"train": list(urls)},
                                split="train", streaming=True)
-    ds = split_dataset_by_node(ds, rank=rank, world_size=world_size)
+    ds = split_dataset_by_node(ds, rank=rank, world_size=world_size, strategy=strategy)
     if shuffle:
         ds = ds.shuffle(seed=seed, buffer_size=shuffle)
+        ds.set_epoch(epoch)
     return ds
 
 

@@ -114,7 +114,9 @@ def _category_legend(ax, categories, category_name) -> None:
                        for c in found],
               labels=[f"{category_name} {c}" for c in found], loc="upper center",
               # under the tick labels and the axis label
-              bbox_to_anchor=(0.5, 0), ncol=len(found), frameon=False,
+              # one row; two for many categories, to stay within the column
+              bbox_to_anchor=(0.5, 0), ncol=len(found) if len(found) <= 6
+              else -(-len(found) // 2), frameon=False,
               bbox_transform=offset_copy(ax.transAxes, ax.figure, y=-36,
                                          units="points"),
               fontsize=MIN_FONT_PT)

@@ -1,4 +1,4 @@
-"""Training from WebDataset tar shards: ``--data-format webdataset --shards URLS``.
+"""Training from WebDataset shards: --data-format webdataset.
 
 The shards (a brace pattern or a comma list of URLs or paths, ``expand_shards``) are
 read by WebDataset's own pipeline (over HTTP with curl) in the DataLoader workers; the
