@@ -17,6 +17,7 @@ from utils.data import load_cifar10, write_synthetic_cifar10
 from utils.streams import ShardServer, write_webdataset
 from utils.train_cifar10 import (KeyedAugment, check_dealing, expand_shards, parse_args,
                                  steps_per_epoch)
+from test_train_cifar10 import in_process  # main(argv) in this process
 
 # the runs start 2 ranks, each with DataLoader workers (tests/conftest.py's group)
 pytestmark = pytest.mark.xdist_group("ranks")
@@ -218,22 +219,6 @@ def test_ranks_whose_shards_hold_different_numbers_of_samples_run_the_same_steps
 
 
 # --- resuming: at an epoch's end only ------------------------------------------------------
-
-def in_process(*argv):
-    """main(argv) in this process, one rank: (stdout, error message or None)."""
-    import contextlib
-    import io
-
-    from utils.train_cifar10 import main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        try:
-            main(list(argv))
-        except SystemExit as stop:
-            return out.getvalue(), str(stop.code)
-    return out.getvalue(), None
-
 
 def test_a_stop_mid_epoch_keeps_the_epochs_checkpoint_which_resumes_exactly_and_a_mid_epoch_one_is_refused(
         data, tmp_path):
