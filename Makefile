@@ -1,5 +1,6 @@
-# The two commands of the README. Each sets up .venv from requirements.txt when it is missing
-# or older than requirements.txt, so both work on a fresh machine with nothing installed by hand.
+# The two commands of the README. Each sets up .venv from requirements-dev.txt (the reader's
+# requirements.txt and the contributors' tools) when it is missing or older than one of the
+# files it is made from, so both work on a fresh machine with nothing installed by hand.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -8,10 +9,10 @@ STAMP  := $(VENV)/.installed
 .PHONY: book test test-utils test-utils-spawn test-notebooks test-notebooks-portable \
         test-browser test-lane-fork test-lane-portable check-browser gpu-check bench clean
 
-$(STAMP): requirements.txt constraints.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt constraints.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -r requirements.txt
+	$(BIN)/python -m pip install --quiet -c constraints.txt -r requirements-dev.txt
 	touch $(STAMP)
 
 ## make book: build the HTML book into _build/html from the stored, nbval-verified outputs
@@ -62,9 +63,9 @@ test-lane-portable: $(STAMP)
 # Playwright alone, so that a machine without a browser hears so in seconds, before the
 # full set-up; $(STAMP) installs the rest into the same .venv
 PLAYWRIGHT := $(VENV)/.playwright
-$(PLAYWRIGHT):
+$(PLAYWRIGHT): requirements-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet "$$(grep '^playwright' requirements.txt)"
+	$(BIN)/python -m pip install --quiet "$$(grep '^playwright' requirements-dev.txt)"
 	touch $(PLAYWRIGHT)
 
 ## make check-browser: BOOK_CHROMIUM, else Chromium/Chrome on PATH or in the usual macOS and

@@ -1,12 +1,15 @@
 """CIFAR-10 in one process (torch and torchvision only): train_ddp.py without DDP.
 
     python examples/train_single.py --download
+    python examples/train_single.py --synthetic --device cpu
 
 Each epoch ends with --out/checkpoint.pt; --resume continues from it."""
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
+import sys
 import time
 from collections import OrderedDict
 
@@ -21,13 +24,17 @@ class CIFAR10(datasets.CIFAR10):
     """torchvision's checks the real MD5s; the book's stand-in records its own."""
     def __init__(self, root, **kwargs):
         marker = os.path.join(root, self.base_folder, "SYNTHETIC_DATA.json")
-        if os.path.exists(marker):
+        self.synthetic = os.path.exists(marker)
+        if self.synthetic:
             with open(marker) as f:
                 md5 = json.load(f)["md5"]
             self.train_list = [[name, md5[name]] for name, _ in self.train_list]
             self.test_list = [[name, md5[name]] for name, _ in self.test_list]
             self.meta = {**self.meta, "md5": md5[self.meta["filename"]]}
         super().__init__(root, **kwargs)
+
+
+BASE_LR = {"simplecnn": 0.05, "resnet18": 0.1}  # peak lr per 256 images (chapter 11)
 
 
 def simple_cnn():  # two convolutions, two linear layers (chapter 11's SimpleCNN)
@@ -41,11 +48,12 @@ def simple_cnn():  # two convolutions, two linear layers (chapter 11's SimpleCNN
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--data", default="data")  # holds cifar-10-batches-py
-    p.add_argument("--download", action="store_true")
+    p.add_argument("--download", action="store_true")  # the real one (a network)
+    p.add_argument("--synthetic", action="store_true")  # else the book's stand-in
     p.add_argument("--model", choices=["simplecnn", "resnet18"], default="simplecnn")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--lr", type=float)  # peak; default: the linear rule, below
     p.add_argument("--workers", type=int, default=2)  # DataLoader workers
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -65,13 +73,28 @@ def main():
         (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))]
     augment = [] if args.no_augment else [transforms.RandomCrop(32, padding=4),
                                           transforms.RandomHorizontalFlip()]
+    folder = os.path.join(args.data, "cifar-10-batches-py")
+    if args.download and os.path.exists(os.path.join(folder, "SYNTHETIC_DATA.json")):
+        p.error(f"--data {args.data} holds the book's generated stand-in, not CIFAR-10"
+                ": --download would train on it; give --download another --data")
     if args.download:
         CIFAR10(args.data, download=True)  # one archive holds both halves
-    if not os.path.isdir(os.path.join(args.data, "cifar-10-batches-py")):
-        raise SystemExit(f"no CIFAR-10 in --data {args.data}: add --download")
+    elif args.synthetic and not os.path.isdir(folder):
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+        from utils.data import write_synthetic_cifar10  # the book's (needs numpy)
+        write_synthetic_cifar10(args.data)  # 5,000 + 1,000 generated images
+    if not os.path.isdir(folder):
+        raise SystemExit(f"no CIFAR-10 in --data {args.data}: add --download (needs "
+                         "a network) or --synthetic (a generated stand-in, offline)")
     train_set = CIFAR10(args.data, train=True,
                         transform=transforms.Compose(augment + normalize))
     test_set = CIFAR10(args.data, train=False, transform=transforms.Compose(normalize))
+    lr = args.lr or BASE_LR[args.model] * args.batch / 256  # the linear rule
+    kind = "the generated stand-in" if train_set.synthetic else "CIFAR-10"
+    rule = "" if args.lr else f" ({BASE_LR[args.model]} per 256 images)"
+    print(f"data: {kind} in {args.data}, {len(train_set)}+{len(test_set)} images",
+          f"one process on {device}, batch {args.batch}, peak lr {lr:g}{rule}",
+          sep="\n", flush=True)
     # workers start once, from a fork server that imports torch for all (CPython
     # gh-126631), not as forks of this process, which has threads (chapter 5)
     start = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
@@ -94,13 +117,13 @@ def main():
         model.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
         model.maxpool = nn.Identity()
     model = model.to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9,
                                 weight_decay=5e-4, nesterov=True)
     steps = args.epochs * len(train_loader)
     if steps < 3:  # OneCycleLR: its peak at step 1 at the earliest, then a step more
         p.error(f"{steps} step(s) in all, 3 at least: more --epochs or data")
     scheduler = torch.optim.lr_scheduler.OneCycleLR(  # warm-up: a quarter of the steps
-        optimizer, args.lr, steps, pct_start=max(.25, 2 / steps), cycle_momentum=False)
+        optimizer, lr, steps, pct_start=max(.25, 2 / steps), cycle_momentum=False)
     parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
     path, done = os.path.join(args.out, "checkpoint.pt"), 0  # epochs done
     if args.resume and os.path.exists(path):
@@ -129,11 +152,15 @@ def main():
         with torch.no_grad():
             for x, y in test_loader:
                 correct += int((model(x.to(device)).argmax(1) == y.to(device)).sum())
-        print(f"epoch {epoch + 1}/{args.epochs}: train loss "
-              f"{loss_sum / len(train_loader):.4f}, test accuracy "
-              f"{correct / count:.4f} ({int(count)} images); {seconds:.1f} s, "
-              f"{len(train_loader) * args.batch / seconds:.0f} images/s",
-              flush=True)
+        loss, accuracy = loss_sum / len(train_loader), correct / count
+        print(f"epoch {epoch + 1}/{args.epochs}: train loss {loss:.4f}, test "
+              f"accuracy {accuracy:.4f} ({int(count)} images); {seconds:.1f} s, "
+              f"{len(train_loader) * args.batch / seconds:.0f} images/s on "
+              f"1 process", flush=True)
+        if not math.isfinite(loss) or (epoch + 1 == args.epochs and steps >= 100
+                                       and accuracy < 0.2):  # 2x chance: not learned
+            raise SystemExit(f"failed: the run did not learn (loss {loss:.4f}, "
+                             f"accuracy {accuracy:.4f}): lower --lr or more --epochs")
         os.makedirs(args.out, exist_ok=True)
         state = {name: part.state_dict() for name, part in parts.items()}
         torch.save({**state, "epoch": epoch + 1}, path + ".tmp")  # then renamed:

@@ -7,7 +7,10 @@ it saves and requeues itself; requeued, its first attempt fails on rank 0's node
 resumes; warned again, its save cannot finish, and it is requeued anyway; requeued again, it resumes
 from the last complete checkpoint and trains to the end (a job that runs to its end costs as much as a
 whole one, so the test of a whole job is that one). Slurm's own SIGTERM (time limit, preemption,
-scancel), which reaches srun too, ends the job without a requeue."""
+scancel), which reaches srun too, ends the job without a requeue. With a PYTHON that only
+notes its arguments (no training, a second a job): the DataLoader workers per process
+from the CPUs Slurm gave, the global batch from the GPUs, and the default command (no
+--lr, --loader auto)."""
 
 import json
 import os
@@ -167,6 +170,102 @@ def test_a_loopback_head_address_with_two_nodes_stops_before_training(staged, tm
     done = sbatch(env, timeout=30)
     assert done.returncode == 1 and "a loopback address that the other nodes cannot reach" in done.stderr
     assert len(srun_calls(tmp_path)) == 1  # the address lookup only: no training step
+
+
+# stands in for python (PYTHON) in the job: notes its arguments, starts nothing, says
+# nothing (so torchrun has no --shutdown-timeout: a warning, no matter)
+FAKE_PYTHON = """#!/bin/bash
+echo "$*" >> "$FAKE_PYTHON_LOG"
+"""
+
+
+def dry_job(tmp_path, **variables):
+    """The recipe to the end of its training step with a PYTHON that only notes its
+    arguments, in a fraction of a second: the batch script's output, and each node's
+    training command (torchrun's arguments, then the module's). A variable given as
+    None is left out of the job's environment."""
+    data = tmp_path / "data"
+    (data / "cifar-10-batches-py").mkdir(parents=True, exist_ok=True)
+    python, log = tmp_path / "python", tmp_path / "python.log"
+    log.unlink(missing_ok=True)  # a job before, in the same test
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+    env = job_env(tmp_path, data, PYTHON=str(python), FAKE_PYTHON_LOG=str(log))
+    env.update(variables)
+    env = {k: v for k, v in env.items() if v is not None}
+    done = sbatch(env, timeout=60)
+    lines = log.read_text().splitlines() if log.exists() else []
+    # no model_final.pt: the job ends as a failed one
+    assert done.returncode == 1 and "error: training failed" in done.stderr, (
+        done.stdout + done.stderr)
+    return done.stdout, [line for line in lines if "-m utils.train_cifar10" in line]
+
+
+@pytest.mark.parametrize("cpus_per_task, cpus_on_node, gpus_per_node, workers, why", [
+    ("64", None, "8", 5, "64 CPUs a node / 8 GPUs - 1 - 2, at least 1"),  # the header
+    ("32", None, "4", 5, "32 CPUs a node / 4 GPUs - 1 - 2, at least 1"),
+    ("16", None, "8", 1, "16 CPUs a node / 8 GPUs - 1 - 2, at least 1"),
+    # --exclusive without --cpus-per-task: all of the node's
+    (None, "128", "8", 13, "128 CPUs a node / 8 GPUs - 1 - 2, at least 1"),
+])
+def test_workers_per_process_follow_the_cpus_slurm_gave(
+        tmp_path, cpus_per_task, cpus_on_node, gpus_per_node, workers, why):
+    stdout, commands = dry_job(
+        tmp_path, SLURM_CPUS_PER_TASK=cpus_per_task, SLURM_CPUS_ON_NODE=cpus_on_node,
+        GPUS_PER_NODE=gpus_per_node, TRAIN_ARGS=None)
+    assert f"per process: --workers {workers} ({why});" in stdout
+    assert len(commands) == 2  # a torchrun per node, each with a process per GPU
+    for command in commands:
+        assert f"--nproc-per-node={gpus_per_node} " in command
+        assert f" --workers {workers} " in command
+
+
+def test_workers_and_global_batch_given_are_kept(tmp_path):
+    stdout, commands = dry_job(tmp_path, WORKERS="7", GLOBAL_BATCH="96",
+                               TRAIN_ARGS="--device cpu")
+    assert ("per process: --workers 7 (WORKERS); --global-batch 96 (GLOBAL_BATCH)\n"
+            in stdout)
+    assert all(c.endswith(" --global-batch 96 --workers 7 --device cpu")
+               for c in commands)
+    # TRAIN_ARGS' own come last, and argparse takes the last
+    stdout, commands = dry_job(tmp_path, TRAIN_ARGS="--global-batch 64 --workers 0")
+    assert "; TRAIN_ARGS sets its own --global-batch --workers" in stdout
+    assert all(c.endswith(" --global-batch 64 --workers 0") for c in commands)
+
+
+@pytest.mark.parametrize("nodes, gpus_per_node, global_batch", [
+    ("2", "8", 2048),  # the header's
+    ("1", "8", 1024),  # one node first
+    ("2", "4", 1024),
+])
+def test_the_global_batch_is_128_per_gpu_unless_given(
+        tmp_path, nodes, gpus_per_node, global_batch):
+    stdout, commands = dry_job(
+        tmp_path, SLURM_NNODES=nodes, SLURM_JOB_NODELIST=f"node[1-{nodes}]",
+        GPUS_PER_NODE=gpus_per_node, TRAIN_ARGS=None)
+    assert (f"--global-batch {global_batch} (128 x {nodes} node(s) x {gpus_per_node} "
+            "GPUs)\n") in stdout
+    assert len(commands) == int(nodes)
+    assert all(f" --global-batch {global_batch} " in c for c in commands)
+
+
+def test_the_default_command_leaves_the_lr_and_the_loader_to_the_script(tmp_path):
+    """No --lr (utils.train_cifar10 derives it from the global batch by the linear
+    rule), and --loader auto (the GPU loader where the data fits), not workers."""
+    _, commands = dry_job(tmp_path, SLURM_CPUS_PER_TASK="64", GPUS_PER_NODE="8",
+                          TRAIN_ARGS=None)
+    assert len(commands) == 2
+    for command in commands:
+        assert command.endswith(
+            " --resume --no-progress --global-batch 2048 --workers 5"
+            " --model resnet18 --loader auto --checkpoint-every 50")
+        assert "--lr" not in command.split() and "--loader workers" not in command
+    # the site's partition and account: in the header, commented out
+    header = SBATCH.read_text().split("\nset -euo pipefail", 1)[0].splitlines()
+    assert "##SBATCH --partition=gpu" in header
+    assert "##SBATCH --account=myproject" in header
+    assert not [line for line in header if line.startswith(("#SBATCH --partition",
+                                                            "#SBATCH --account"))]
 
 
 # a training module that is stopped by a signal at once: it writes this run's preempted.json, exits 75

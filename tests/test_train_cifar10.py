@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -108,7 +109,14 @@ def ok(done):
 @pytest.fixture(scope="module")
 def two_ranks(data, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("two_ranks"))
-    ok(ranks("--data", data, "--out", out, *COMMON))
+    done = ok(ranks("--data", data, "--out", out, *COMMON))
+    # which data first; then every rank's line, gathered from each: all took part
+    host = socket.gethostname()
+    assert done.stdout.splitlines()[:4] == [
+        f"synthetic CIFAR-10 in {data}: 512 train, 256 test images; 2 process(es), cpu, "
+        "gloo; global batch 64 = 32 x 2", f"rank 0 of 2 (local rank 0) on {host}: cpu",
+        f"rank 1 of 2 (local rank 1) on {host}: cpu",
+        "peak lr 0.0125 (the linear rule: 0.05 per 256 images)"]
     return out
 
 
@@ -169,7 +177,7 @@ def test_ranks_killed_after_and_before_init_are_restarted_and_the_run_ends_exact
            "--max-restarts=2", str(script), "--data", data, "--out", out, "--resume", "--fail-at-step", "6",
            *WITH_WORKERS]
     done = ok(hangs.run(cmd, env=ENV, timeout=150))
-    assert "resumed from" in done.stdout and "epoch 0, step 4 of the epoch" in done.stdout
+    assert "resumed from" in done.stdout and "epoch 1, step 4 of the epoch" in done.stdout
     assert max_diff(final_params(two_ranks), final_params(out)) == 0.0
     assert losses(out) == losses(two_ranks)
 
@@ -212,7 +220,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_one_agreed_checkpoint_and_t
         assert {"step": 10, "signal": "SIGUSR1", "attempt": 0, "torchrun_restart": 0}.items() <= json.load(f).items()
     assert torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)["step"] == 10
     done = ok(hangs.run(cmd + ["--resume"], env=ENV, timeout=TIMEOUT))
-    assert "epoch 1, step 2 of the epoch" in done.stdout
+    assert "epoch 2, step 2 of the epoch" in done.stdout
     assert not os.path.exists(os.path.join(out, "preempted.json"))
     assert max_diff(final_params(two_ranks), final_params(out)) == 0.0
     assert losses(out) == losses(two_ranks)
@@ -276,7 +284,7 @@ def test_a_signal_to_every_process_with_dataloader_workers_stops_at_the_agreed_s
     # the checkpoint is the stopped step's, and the resume starts there (not at the periodic one of step 8)
     assert torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)["step"] == 10
     done = ok(hangs.run(cmd + ["--resume"], env=ENV, timeout=TIMEOUT))
-    assert "epoch 1, step 2 of the epoch (10 in all)" in done.stdout
+    assert "epoch 2, step 2 of the epoch (10 in all)" in done.stdout
     assert max_diff(final_params(two_ranks), final_params(out)) == 0.0
     assert losses(out) == losses(two_ranks)
 
@@ -299,7 +307,7 @@ def test_with_three_ranks_a_restart_is_bit_identical_under_deterministic(data, t
     ok(ranks("--data", data, "--out", str(tmp_path / "clean"), *three, nproc=3))
     done = ok(torchrun("--data", data, "--out", str(tmp_path / "killed"), "--resume", "--fail-at-step", "3", *three,
                        nproc=3, extra=["--max-restarts=1"]))
-    assert "epoch 0, step 2 of the epoch" in done.stdout
+    assert "epoch 1, step 2 of the epoch" in done.stdout
     assert max_diff(final_params(str(tmp_path / "clean")), final_params(str(tmp_path / "killed"))) == 0.0
 
 
@@ -310,7 +318,7 @@ def test_a_run_stopped_on_two_processes_resumes_exactly_on_another_number(data, 
     shutil.copytree(stopped_on_two, out)
     run = alone if nproc == 1 else (lambda *a: ranks(*a, nproc=nproc))
     done = ok(run("--data", data, "--out", out, "--resume", *COMMON))
-    assert "epoch 0, step 6 of the epoch" in done.stdout
+    assert "epoch 1, step 6 of the epoch" in done.stdout
     assert f"global batch 64 = {64 // nproc} x {nproc}" in done.stdout
     assert max_diff(final_params(two_ranks), final_params(out)) < 1e-5  # the same steps, summed in another order
     # the resumed epoch's loss counts the steps before the stop too (on main, only those after it)
@@ -333,14 +341,14 @@ def test_two_nodes_with_their_own_disks_prepare_data_per_node_and_agree_on_resum
     assert not os.path.exists(os.path.join(folders[1]["out"], "checkpoint.pt"))  # rank 0 alone saves
 
     (out0, _), _ = two_nodes([args(0, "--resume"), args(1, "--resume")])
-    assert "epoch 0, step 6 of the epoch" in out0
+    assert "epoch 1, step 6 of the epoch" in out0
     assert max_diff(final_params(two_ranks), final_params(folders[0]["out"])) < 1e-6
 
 
 def test_resuming_with_another_schedule_is_refused_with_the_differences(data, stopped_on_two, tmp_path):
     out = str(tmp_path / "out")
     shutil.copytree(stopped_on_two, out)
-    changes = {"--epochs": ("3", "--epochs 3 (checkpoint: 2)"), "--lr": ("0.2", "--lr 0.2 (checkpoint: 0.1)"),
+    changes = {"--epochs": ("3", "--epochs 3 (checkpoint: 2)"), "--lr": ("0.2", "--lr 0.2 (checkpoint: 0.0125)"),
                "--seed": ("1", "--seed 1 (checkpoint: 0)"),
                "--model": ("resnet18", "--model resnet18 (checkpoint: simplecnn)"),
                "--global-batch": ("32", "--global-batch 32 (checkpoint: 64)"),
@@ -631,7 +639,7 @@ def test_a_loader_gpu_run_stopped_mid_epoch_resumes_exactly(
     stdout, error = in_process("--data", data, "--out", out, "--resume", *with_bar,
                                "--log-every", "3")
     assert error is None, error
-    assert "epoch 0, step 6 of the epoch (6 in all)" in stdout
+    assert "epoch 1, step 6 of the epoch (6 in all)" in stdout
     assert "loss=" in stdout and "img_s=" in stdout  # the bar's postfix
     assert max_diff(final_params(gpu_uninterrupted), final_params(out)) == 0.0
     for run in (gpu_uninterrupted, out):  # the same format, one line per epoch
@@ -831,3 +839,44 @@ def test_sigint_stops_at_the_agreed_step_and_only_a_later_second_one_interrupts(
     other._note(signal.SIGTERM, None)
     other._note(signal.SIGUSR1, None)
     assert other.signal == signal.SIGTERM  # the first one names the stop
+
+
+# --- a run that did not learn says so, last, and fails (issue 43) -----------------------
+
+def test_a_diverging_run_stops_with_its_verdict_and_keeps_no_diverged_weights(data,
+                                                                               tmp_path):
+    """--lr 1e4: the first epoch's loss is not finite; the run stops there, rank 0's
+    last word is the verdict, nothing of the diverged weights is saved (no epoch-end
+    checkpoint, no model_final.pt), and the exit is not 0."""
+    out = str(tmp_path / "out")
+    stdout, error = in_process("--data", data, "--out", out, *GPU_RUN, "--lr", "1e4",
+                               "--checkpoint-every", "0")
+    assert error is not None and re.fullmatch(
+        r"failed: the run did not learn \(loss (nan|inf), accuracy 0\.\d+\): lower "
+        r"--lr or more --epochs", error), error
+    assert [r["epoch"] for r in metrics_lines(out)] == [1]
+    assert not os.path.exists(os.path.join(out, "model_final.pt"))
+    assert not os.path.exists(os.path.join(out, "checkpoint.pt"))
+
+
+@pytest.mark.parametrize("loss, accuracy, last, steps, failed", [
+    (float("nan"), 0.9, False, 1, True),  # not finite: at any epoch, after any steps
+    (float("inf"), 0.9, True, 500, True),
+    (2.3, 0.19, True, 100, True),  # the last epoch at chance after 100 steps
+    (2.3, 0.2, True, 100, False),  # twice chance: it learned something
+    (2.3, 0.1, True, 99, False),  # too short to judge
+    (2.3, 0.1, False, 500, False),  # not the last epoch
+])
+def test_the_verdict_on_learning(loss, accuracy, last, steps, failed):
+    from utils.train_cifar10.recipe import did_not_learn
+
+    assert (did_not_learn(loss, accuracy, last, steps) is not None) == failed
+
+
+def test_the_default_lr_is_the_linear_rule_per_model():
+    from utils.train_cifar10.settings import parse_args
+
+    assert parse_args(["--global-batch", "1024", "--model", "resnet18"]).lr == 0.4
+    assert parse_args(["--global-batch", "64"]).lr == 0.0125  # SimpleCNN: 0.05 per 256
+    given = parse_args(["--global-batch", "64", "--lr", "0.3"])
+    assert given.lr == 0.3 and not given.lr_from_rule

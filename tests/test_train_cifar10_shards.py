@@ -237,7 +237,7 @@ def test_a_stop_mid_epoch_keeps_the_epochs_checkpoint_which_resumes_exactly_and_
     state = torch.load(path, weights_only=True)
     assert (state["epoch"], state["step_in_epoch"], state["step"]) == (1, 0, 4)
     said, error = in_process(*one, "--out", stopped, "--resume")
-    assert error is None and "resumed from" in said and "epoch 1, step 0" in said
+    assert error is None and "resumed from" in said and "epoch 2, step 0" in said
     final = [torch.load(os.path.join(out, "model_final.pt"), weights_only=True)
              for out in (whole, stopped)]
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])

@@ -26,6 +26,37 @@ class SimpleCNN(nn.Module):
         return self.fc2(F.relu(self.fc1(torch.flatten(x, 1))))
 
 
+# The peak learning rate of each model per 256 images: the linear rule's reference point
+# (chapter 11), which --lr's default scales to --global-batch. ResNet-18 has BatchNorm
+# and takes the usual 0.1; SimpleCNN has none, and at 0.1 some runs diverged (issue 43):
+# it takes 0.05.
+BASE_LR = {"simplecnn": 0.05, "resnet18": 0.1}
+CHANCE = 0.1  # ten classes
+# a run of at least this many optimizer steps whose last epoch scores below twice chance
+# did not learn; shorter runs are not judged (a healthy 2-epoch CPU run may end there)
+JUDGED_FROM_STEPS = 100
+
+
+def linear_rule_lr(model: str, global_batch: int) -> float:
+    """The peak learning rate for ``global_batch``: the model's rate per 256 images,
+    scaled linearly."""
+    return BASE_LR[model] * global_batch / 256
+
+
+def did_not_learn(loss: float, accuracy: float, last_epoch: bool,
+                  steps: int) -> str | None:
+    """Why a run failed to learn, or ``None``: a training loss that is not finite (at
+    any epoch), or a last epoch's test accuracy below twice chance after at least
+    ``JUDGED_FROM_STEPS`` optimizer steps."""
+    import math
+
+    if math.isfinite(loss) and not (last_epoch and steps >= JUDGED_FROM_STEPS
+                                    and accuracy < 2 * CHANCE):
+        return None
+    return (f"failed: the run did not learn (loss {loss:.4f}, accuracy {accuracy:.4f})"
+            f": lower --lr or more --epochs")
+
+
 def make_model(name: str) -> nn.Module:
     if name == "simplecnn":
         return SimpleCNN()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .recipe import linear_rule_lr
 from .shards import expand_shards
 
 
@@ -42,10 +43,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=256,
                    help="images per optimizer step over all processes; each process "
                         "takes global-batch / world size")
-    p.add_argument("--lr", type=float, default=0.1,
-                   help="peak learning rate (one-cycle schedule) for --global-batch: "
-                        "0.1, the linear rule's 0.1 per 256 images at the default "
-                        "256; scale it with --global-batch")
+    p.add_argument("--lr", type=float,
+                   help="peak learning rate (one-cycle schedule) for --global-batch "
+                        "(default: the linear rule, the model's rate per 256 images "
+                        "x global batch / 256: 0.05 for simplecnn, 0.1 for resnet18)")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--workers", type=int, default=2,
@@ -128,6 +129,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be 0 or more, "
                     f"got {getattr(args, name)}")
+    args.lr_from_rule = args.lr is None
+    if args.lr_from_rule:
+        args.lr = linear_rule_lr(args.model, args.global_batch)
     for name in ("lr", "init_timeout", "step_timeout"):
         if not getattr(args, name) > 0:
             p.error(f"--{name.replace('_', '-')} must be positive, "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from .loaders import (agreed_free_memory, batch_dtype, choose_loader, eval_worke
 from .per_node import agree_on_resume, check_same_data, prepare_data
 from .preemption import (EXIT_PREEMPTED, PREEMPTED, STOP_CHECK_EVERY, Preemption,
                          refuse_restart_after_preemption, write_preempted)
-from .recipe import make_model, one_cycle, per_process_batch
+from .recipe import BASE_LR, did_not_learn, make_model, one_cycle, per_process_batch
 from .restarts import shorten_timeouts
 from .settings import parse_args
 from .shards import EpochBatches, ShardStream, check_resume, open_shards
@@ -60,6 +61,8 @@ def main(argv=None) -> None:
         metrics = start_log(args, job, data)
         train(args, job, data, training, model, metrics)
         finish(args, job, training, metrics)
+    if training.failed:  # the verdict is rank 0's last line; every rank exits 1
+        raise SystemExit(training.failed if job.master else 1)
     if training.stop_signal and training.epoch < args.epochs:
         raise SystemExit(EXIT_PREEMPTED)
 
@@ -238,6 +241,7 @@ class Training:
     steps_run: int = 0
     saved_step: int | None = None  # the step of the checkpoint at ``path``
     stop_signal: int = 0  # the signal the ranks agreed to stop on (0: none)
+    failed: str | None = None  # why the run did not learn (recipe.did_not_learn)
     # reseed before every step (None: not known before this process's first step, which
     # reseeds and looks whether anything drew random numbers)
     reseed: bool | None = None
@@ -286,7 +290,7 @@ def resume_or_start(args, job: Job, data: Data, model: nn.Module, optimizer,
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         if job.master:
-            print(f"resumed from {training.path}: epoch {training.epoch}, step "
+            print(f"resumed from {training.path}: epoch {training.epoch + 1}, step "
                   f"{training.step_in_epoch} of the epoch ({training.step} in all)",
                   flush=True)
     return training
@@ -383,7 +387,9 @@ def data_format_cannot_resume_here(args, training: Training) -> bool:
 
 
 def start_log(args, job: Job, data: Data):
-    """Rank 0 opens ``metrics.jsonl`` and says what runs where; others get ``None``."""
+    """Rank 0 opens ``metrics.jsonl`` and says which data, where every rank runs and
+    the recipe; others get ``None``."""
+    ranks = rank_lines(job)  # a collective: every rank takes part
     if not job.master:
         return None
     metrics = open(os.path.join(args.out, "metrics.jsonl"), "a" if args.resume else "w")
@@ -397,11 +403,25 @@ def start_log(args, job: Job, data: Data):
           f"{job.device.type}, "
           f"{dist.get_backend() if job.ddp else 'no process group'}; "
           f"global batch {args.global_batch} = {job.batch_size} x {job.world_size}",
-          flush=True)
+          *ranks, f"peak lr {args.lr:g}" + (f" (the linear rule: {BASE_LR[args.model]} "
+                                            f"per 256 images)" if args.lr_from_rule
+                                            else ""), sep="\n", flush=True)
     print(f"loader: {data.loader} ({data.why}); "
           f"channels_last: {'yes' if job.channels_last else 'no'}; "
           f"compile: {'yes' if args.compile else 'no'}", flush=True)
     return metrics
+
+
+def rank_lines(job: Job) -> list[str]:
+    """One line per rank, where it runs, gathered from every rank: that each took
+    part. Over the gloo control group with CUDA (no wait for the GPU)."""
+    name = f" ({torch.cuda.get_device_name(job.device)})" if job.cuda else ""
+    mine = (f"rank {job.rank} of {job.world_size} (local rank {job.local_rank}) on "
+            f"{socket.gethostname()}: {job.device}{name}")
+    lines = [mine] * job.world_size
+    if job.ddp:
+        dist.all_gather_object(lines, mine, group=job.control)
+    return lines
 
 
 def train(args, job: Job, data: Data, training: Training, model: nn.Module,
@@ -418,7 +438,8 @@ def train(args, job: Job, data: Data, training: Training, model: nn.Module,
             save(args, training, job)
         else:
             end_epoch(args, job, data, training, metrics, *totals)
-        if totals is None or training.step == args.stop_at_step or training.stop_signal:
+        if (totals is None or training.step == args.stop_at_step or training.stop_signal
+                or training.failed):
             break
     if training.stop_signal and job.master:
         name = signal.Signals(training.stop_signal).name
@@ -497,8 +518,8 @@ def progress_bar(args, job: Job, data: Data, training: Training):
     from tqdm import tqdm
 
     return tqdm(total=data.steps_per_epoch, initial=training.step_in_epoch,
-                desc=f"epoch {training.epoch}", unit="step", file=sys.stdout,
-                mininterval=1.0)
+                desc=f"epoch {training.epoch + 1}/{args.epochs}", unit="step",
+                file=sys.stdout, mininterval=1.0)
 
 
 def train_step(args, job: Job, training: Training, model: nn.Module, x, y):
@@ -541,7 +562,12 @@ def end_epoch(args, job: Job, data: Data, training: Training, metrics, seen: int
     training.loss_before, training.steps_before = 0.0, 0
     accuracy = evaluate(training.model, data.test_loader, job.device)
     training.epoch, training.step_in_epoch = training.epoch + 1, 0
-    save(args, training, job)
+    # the same verdict on every rank (loss and accuracy are summed over all ranks);
+    # a run that failed keeps its last good checkpoint
+    training.failed = did_not_learn(loss / max(steps, 1), accuracy,
+                                    training.epoch == args.epochs, training.step)
+    if not training.failed:
+        save(args, training, job)
     if job.master:
         record = {"epoch": training.epoch, "step": training.step,
                   "train_loss": round(loss / max(steps, 1), 4),
@@ -561,7 +587,7 @@ def finish(args, job: Job, training: Training, metrics) -> None:
     process group ends."""
     if job.master:
         metrics.close()
-        if training.epoch == args.epochs:
+        if training.epoch == args.epochs and not training.failed:
             # loads anywhere, GPU or not, in the default memory format
             final = {k: v.cpu().contiguous()
                      for k, v in training.model.state_dict().items()}
