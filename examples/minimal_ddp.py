@@ -11,12 +11,11 @@ GLOBAL_BATCH, EPOCHS, WORKERS, SEED = 32, 5, 2, 0
 
 
 def main():
-    cuda = torch.cuda.is_available()
-    if cuda:  # one GPU per process: the one this node's LOCAL_RANK names
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":  # one GPU per process: the one this node's LOCAL_RANK names
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")  # RANK etc. from torchrun
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")  # torchrun's env
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(SEED)  # the same data and initial weights on every rank
     x = torch.randn(512, 8)  # a synthetic regression problem: y = x . (1, ..., 8)
     y = x @ torch.arange(1.0, 9.0) + 0.1 * torch.randn(512)
@@ -36,8 +35,9 @@ def main():
             optimizer.step()
             total += loss.detach()
         dist.all_reduce(total)  # summed over the ranks, in place, on every rank
-        if rank == 0:  # one line per epoch, not one per rank
-            print(f"epoch {epoch}: loss {total.item() / world_size / len(loader):.4f}")
+        if rank == 0:  # one line per epoch, not one per rank; how many ranks took part
+            mean = total.item() / world_size / len(loader)
+            print(f"epoch {epoch + 1}/{EPOCHS}: loss {mean:.4f} ({world_size} ranks)")
     dist.destroy_process_group()
 
 
