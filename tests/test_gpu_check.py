@@ -68,9 +68,17 @@ def test_the_quick_plan_fits_its_minutes_by_the_timings_it_states(capsys):
     out = capsys.readouterr().out
     total = int(out.split("total")[1].split()[0])
     assert total <= 60 * gpu_check.QUICK_MINUTES
-    assert [line.split()[0] for line in out.splitlines()[1:6]] == gpu_check.QUICK
-    checks, _ = gpu_check.plan(1, profile="quick")
+    assert [line.split()[0] for line in out.splitlines()[1:len(gpu_check.QUICK) + 1]] == gpu_check.QUICK
+    checks, not_checked = gpu_check.plan(1, profile="quick")
     assert sum(gpu_check.STATED_SECONDS[c][0] for c in checks) == total
+    assert checks[-1] == "scripts_speed" and "scripts_speed" in out  # worth least: last, and in the total
+    assert gpu_check.SPEED_ONE_GPU in not_checked
+    # on 8 GPUs both scripts also run on all of them: more seconds, still within the minutes
+    lines, total8 = gpu_check.stated_plan(gpu_check.plan(8, profile="quick")[0], 8)
+    assert total8 == total + gpu_check.SEVERAL_GPUS_SECONDS["scripts_speed"][0] <= 60 * gpu_check.QUICK_MINUTES
+    assert gpu_check.SPEED_ONE_GPU not in gpu_check.plan(8, profile="quick")[1]
+    # even if scripts_speed spends its whole budget (it starts no run after it), --quick fits its minutes
+    assert total8 - gpu_check.stated_seconds("scripts_speed", 8)[0] + gpu_check.SPEED_BUDGET <= 60 * gpu_check.QUICK_MINUTES
 
 
 def test_the_quick_profile_rehearsed_on_the_cpu(tmp_path, monkeypatch):
@@ -78,6 +86,9 @@ def test_the_quick_profile_rehearsed_on_the_cpu(tmp_path, monkeypatch):
     is seen. (Ranks started by torchrun, as on the GPU.)"""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(gpu_check, "RUN_TIMEOUT", gpu_check.RUN_TIMEOUT)  # main sets it for --quick
+    # scripts_speed's 4 runs with forked ranks, not 4 more torchruns (their command lines are tested below)
+    monkeypatch.setattr(gpu_check, "_speed_torchrun", lambda nproc, script, args, timeout: forked_torchrun(
+        nproc, args, timeout=timeout, module=script))
     assert main(["--quick", "--rehearse", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu_check_rehearsal_cpu_quick.json").read_text())
     assert report["rehearsal"] and report["device"] == "cpu" and report["world_size"] == 2
@@ -94,6 +105,13 @@ def test_the_quick_profile_rehearsed_on_the_cpu(tmp_path, monkeypatch):
     assert checks["loader_bench"]["result"]["results"] and "resident" in checks["loader_bench"]["table"]
     bench = checks["throughput"]["result"]
     assert bench["world_size"] == 2 and bench["steps_per_epoch"] == 8 and bench["capstone_over_bare"] > 0
+    speed = checks["scripts_speed"]
+    assert (speed["model"], speed["train_images"], speed["test_images"]) == ("simplecnn", 128, 32)
+    assert [(t["script"], t["world_size"]) for t in speed["timings"]] == [
+        ("examples/train_ddp.py", 1), ("utils.train_cifar10", 1), ("examples/train_ddp.py", 2),
+        ("utils.train_cifar10", 2)]
+    assert all(t["seconds_per_epoch"] is not None and t["images_per_s"] > 0 for t in speed["timings"])
+    assert [t["world_size_reported"] for t in speed["timings"][1::2]] == [1, 2]
     assert all(c["passed"] for c in checks.values())
 
 
@@ -227,6 +245,8 @@ def test_the_two_torchruns_form_one_job_with_a_static_rendezvous():
     assert [env for _, env in launches] == [{"CUDA_VISIBLE_DEVICES": "4,5"}, {"CUDA_VISIBLE_DEVICES": "6,7"}]
     assert gpu_check.torchrun_command(3, ["--x"]) == [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                       "--nproc_per_node=3", "-m", "utils.train_cifar10", "--x"]
+    assert gpu_check.torchrun_command(2, ["--x"], module="examples/train_ddp.py")[4:] == [
+        "--nproc_per_node=2", "examples/train_ddp.py", "--x"]  # a file, not a module
 
 
 def test_the_runs_arguments():
@@ -324,6 +344,9 @@ def fake_processes(differ=None, fail=(), warn=None):
     rank 0's lines). `differ`: {run: how far its final weights are moved}; `fail`: runs that exit 1;
     `warn`: an op that warns in --deterministic runs."""
     def other(cmd):  # the loader's no-sync check, the loader and step benchmarks, as they report
+        if "examples/train_ddp.py" in cmd:  # its epoch lines (epoch 2: 7.5 s, 5200 images/s)
+            return 0, "".join(f"epoch {e}/2: train loss 1.0, test accuracy 0.5 (10000 images); {9.5 - e} s, "
+                              f"{5000 + 100 * e} images/s on 1 process\n" for e in (1, 2)), ""
         if "-c" in cmd:
             return 0, json.dumps({"batches": 5, "host_syncs_checked": True, "host_sync_error": None,
                                   "batches_equal_cpu": True, "passed": True}) + "\n", ""
@@ -354,7 +377,7 @@ def fake_processes(differ=None, fail=(), warn=None):
         stdout = (f"synthetic CIFAR-10 in x: ...; global batch {batch} = {batch // world} x {world}\n"
                   f"loader: {loader} (...); channels_last: yes; compile: {'yes' if '--compile' in args else 'no'}\n")
         if "--resume" in args:
-            stdout += "resumed from x: epoch 0, step 20 of the epoch (20 in all)\n"
+            stdout += "resumed from x: epoch 1, step 20 of the epoch (20 in all)\n"
         if "--stop-at-step" in args:
             return 0, stdout, stderr
         model = args[args.index("--model") + 1]
@@ -363,8 +386,10 @@ def fake_processes(differ=None, fail=(), warn=None):
                    os.path.join(out, "model_final.pt"))
         with open(os.path.join(out, "metrics.jsonl"), "w") as f:
             for epoch in (1, 2):
-                f.write(json.dumps({"epoch": epoch, "train_loss": 2.0 / epoch, "images_per_s": 1234.5,
-                                    "world_size": world, "loader": loader}) + "\n")
+                f.write(json.dumps({"epoch": epoch, "train_loss": 2.0 / epoch,
+                                    "images_per_s": 1000.0 if epoch == 1 else 1234.5,
+                                    "epoch_seconds": 4.0 + epoch / 10, "world_size": world,
+                                    "loader": loader}) + "\n")
         return 0, stdout, stderr
 
     return lambda launches, timeout=0: [one(cmd, env) for cmd, env in launches]
@@ -384,6 +409,90 @@ def test_the_training_verdict(tmp_path, monkeypatch, differ, fail, passed):
         assert result["images_per_s_last_epoch_with_sync_bn_and_checkpoints"] == 1234.5
         assert result["loaders"] == ["gpu"]
         assert result["relative_distance_speed_run_to_deterministic"] == 0.0
+
+
+# --- scripts_speed: the two scripts' seconds per epoch and images/s -----------------------------------
+
+def test_scripts_speed_times_both_scripts_on_one_gpu_and_on_all(tmp_path, monkeypatch):
+    written = []
+    monkeypatch.setattr("utils.data.write_synthetic_cifar10",
+                        lambda root, n_train, n_test: written.append((root, n_train, n_test)))
+    monkeypatch.setattr(gpu_check, "_run_processes", fake_processes())
+    result = gpu_check.scripts_speed_check(2, str(tmp_path))
+    data = str(tmp_path / "speed_data")
+    assert written == [(data, 50000, 10000)]  # once, for both scripts
+    timings = result["timings"]
+    assert [(t["script"], t["world_size"]) for t in timings] == [
+        ("examples/train_ddp.py", 1), ("utils.train_cifar10", 1), ("examples/train_ddp.py", 2),
+        ("utils.train_cifar10", 2)]
+    ddp = f"--data {data} --model resnet18 --epochs 2 --global-batch 256 --device cuda --out {tmp_path}/speed_"
+    assert timings[0]["command"] == f"torchrun --standalone --nproc_per_node=1 examples/train_ddp.py {ddp}train_ddp_1"
+    assert timings[3]["command"] == (f"torchrun --standalone --nproc_per_node=2 -m utils.train_cifar10 {ddp}"
+                                     "train_cifar10_2 --synthetic --synthetic-size 50000 10000 --amp --no-progress")
+    # epoch 2's figures: printed by train_ddp.py, in train_cifar10's metrics.jsonl
+    assert [(t["seconds_per_epoch"], t["images_per_s"]) for t in timings] == [(7.5, 5200.0), (4.2, 1234.5)] * 2
+    assert [t["world_size_reported"] for t in timings[1::2]] == [1, 2]
+    assert all(t["timeout_s"] == gpu_check.SPEED_RUN_TIMEOUT and t["returncode"] == 0 for t in timings)
+    assert result["passed"] and (result["model"], result["train_images"]) == ("resnet18", 50000)
+    assert [t["world_size"] for t in gpu_check.scripts_speed_check(1, str(tmp_path))["timings"]] == [1, 1]
+
+
+def test_a_run_without_its_epoch_figures_fails_scripts_speed(tmp_path, monkeypatch):
+    monkeypatch.setattr("utils.data.write_synthetic_cifar10", lambda root, n_train, n_test: None)
+    fake = fake_processes()
+
+    def no_second_epoch(launches, timeout=0):  # train_ddp.py stops after epoch 1
+        code, stdout, stderr = fake(launches)[0]
+        return [(code, stdout.split("epoch 2/2")[0], "Killed") if "examples/train_ddp.py" in launches[0][0]
+                else (code, stdout, stderr)]
+
+    monkeypatch.setattr(gpu_check, "_run_processes", no_second_epoch)
+    result = gpu_check.scripts_speed_check(1, str(tmp_path))
+    assert not result["passed"] and result["timings"][1]["images_per_s"] == 1234.5
+    assert result["timings"][0]["images_per_s"] is None and result["timings"][0]["stderr_tail"] == "Killed"
+
+
+def test_scripts_speed_starts_no_run_past_its_budget(tmp_path, monkeypatch):
+    now = [0.0]  # a clock that each run moves on by a minute
+    monkeypatch.setattr(gpu_check, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr("utils.data.write_synthetic_cifar10", lambda root, n_train, n_test: now.__setitem__(0, 10))
+    for name, value in (("SPEED_BUDGET", 150), ("SPEED_RUN_TIMEOUT", 90), ("SPEED_MIN_RUN", 15)):
+        monkeypatch.setattr(gpu_check, name, value)
+    started = []
+
+    def run(script, nproc, args, timeout):
+        started.append((now[0], timeout))
+        now[0] += 60
+        return {"script": script, "world_size": nproc, "seconds_per_epoch": 1.0, "images_per_s": 2.0}
+
+    monkeypatch.setattr(gpu_check, "speed_run", run)
+    result = gpu_check.scripts_speed_check(2, str(tmp_path))
+    assert started == [(10, 90), (70, 80), (130, 20)]  # each one's timeout ends it by the budget
+    assert result["timings"][3]["skipped"] == "the check's 150 s were spent" and not result["passed"]
+    assert result["data_seconds"] == 10 and result["timings"][3]["command"].startswith(
+        "torchrun --standalone --nproc_per_node=2 -m utils.train_cifar10")
+
+
+def test_the_epoch_figures_are_read_as_the_scripts_write_them(tmp_path):
+    stdout = ("data: ...\nepoch 1/2: train loss 2.1, test accuracy 0.31 (10000 images); 9.0 s, 5547 images/s\n"
+              "epoch 2/2: train loss 1.2, test accuracy 0.62 (10000 images); 8.3 s, 6012 images/s on 2 processes\n")
+    assert gpu_check.ddp_epoch_figures(stdout, 2) == {"seconds_per_epoch": 8.3, "images_per_s": 6012.0}
+    assert gpu_check.ddp_epoch_figures(stdout, 1)["images_per_s"] == 5547.0
+    assert gpu_check.ddp_epoch_figures(stdout, 3) is None
+    assert gpu_check.cifar10_epoch_figures(str(tmp_path), 2) is None  # no metrics.jsonl
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"epoch": e, "images_per_s": 100.0 * e, "epoch_seconds": 5.0 / e, "world_size": 4})
+                + "\n" for e in (1, 2)))
+    assert gpu_check.cifar10_epoch_figures(str(tmp_path), 2) == {"seconds_per_epoch": 2.5, "images_per_s": 200.0,
+                                                                 "world_size_reported": 4}
+    assert gpu_check.speed_world_sizes(1) == [1] and gpu_check.speed_world_sizes(8) == [1, 8]
+
+
+def test_the_results_file_records_the_commit(tmp_path):
+    import re
+
+    assert re.fullmatch(r"[0-9a-f]{7,40}(\+changes)?", gpu_check.git_commit())
+    assert gpu_check.git_commit(str(tmp_path)) is None  # a copy without .git
 
 
 def pretend_gpus(monkeypatch, count, **fake):

@@ -1,7 +1,7 @@
 """`make gpu-check`: the CUDA paths of the book, checked on every local GPU, with a
 results file.
 
-    python -m utils.gpu_check --quick        # the checks worth most: 3 min on an H100
+    python -m utils.gpu_check --quick        # the checks worth most: 4 min on an H100
     python -m utils.gpu_check                # the full profile
     python -m utils.gpu_check --make-test    # ... and `make test` on this machine too
     python -m utils.gpu_check --quick --dry-run    # the plan and its timings only
@@ -13,7 +13,7 @@ Without a GPU it exits 1 and says so (``--allow-no-gpu``: exit 0); where ``nvidi
 lists GPUs that torch cannot use (a driver older than torch's CUDA, a container started
 without its GPUs), it exits 1 and says that. Results go to
 ``book/results/gpu_check_[quick_]<gpu>.json``: hardware, driver, torch, CUDA, cuDNN and
-NCCL versions, the command, the date, every check's result and seconds, and
+NCCL versions, the command, the date, the commit, every check's result and seconds, and
 ``not_checked``: what this machine could not check, and why.
 
 ``--quick``, in order of what each is worth (``QUICK``; one process stops at
@@ -35,7 +35,11 @@ NCCL versions, the command, the date, every check's result and seconds, and
    loaders, the GPU-resident one among them);
 5. ``throughput``: ``utils.step_bench``: the script's own epoch loop against a bare
    DDP loop in the same processes, over the same batches (no SyncBN, no mid-epoch
-   checkpoint).
+   checkpoint);
+6. ``scripts_speed``: what a reader may expect of the book's two training scripts,
+   ``examples/train_ddp.py`` and ``utils.train_cifar10 --amp``, under ``torchrun`` on
+   one GPU and on all (ResNet-18, 50,000 synthetic images): the seconds and images/s
+   of their second epoch (``python -m utils.expected_results`` shows them).
 
 The full profile adds, on the same runs' settings with SyncBN: ``training`` (the
 restart pair with ``--sync-bn`` and checkpoints, and a run without
@@ -79,15 +83,41 @@ import torch.distributed as dist
 from torch import nn
 
 from . import results
-from .hangs import kill_tree, python_stacks
-from .launch import free_port
+
+# what the checks import beyond torch: {module: pip name} (the training runs pass
+# --no-progress, so tqdm is not needed); main() stops first, naming any that is missing
+NEEDED = {"cloudpickle": "cloudpickle", "psutil": "psutil", "numpy": "numpy",
+          "torchvision": "torchvision", "PIL": "pillow"}
+try:
+    from .hangs import kill_tree, python_stacks
+    from .launch import free_port
+except ModuleNotFoundError as missing:  # main()'s require_packages() names it
+    if missing.name not in NEEDED:
+        raise
+    kill_tree = python_stacks = free_port = None
+
+
+def require_packages(needed: dict[str, str] = NEEDED) -> None:
+    """Stop with one line naming the ``needed`` packages that cannot be imported."""
+    import importlib
+
+    missing = []
+    for module, pip_name in needed.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(pip_name)
+    if missing:
+        python = os.path.basename(sys.executable)
+        sys.exit(f"gpu-check: error: missing {', '.join(missing)}; install them with: "
+                 f"{python} -m pip install {' '.join(missing)}")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what the checks run (utils.results records their hashes in the results file)
 SOURCES = ["utils/gpu_check.py", *results.package_sources("utils/train_cifar10"),
            "utils/gpu_loader.py", "utils/step_bench.py", "utils/loader_bench.py",
            "utils/ddp.py", "utils/metrics.py", "utils/launch.py", "utils/samplers.py",
-           "utils/workers.py"]
+           "utils/workers.py", "examples/train_ddp.py"]
 RUN_TIMEOUT = 600  # seconds for one torchrun (the runs take well under a minute)
 FAILED_NODE_GRACE = 60  # seconds a node may run on after the other one failed
 # relative_distance below which a run resumed on fewer GPUs, or run as two nodes,
@@ -235,10 +265,11 @@ def loader_sync_check(nproc: int, work: str, device: str = "cuda") -> dict:
 def torchrun_command(nproc: int, script_args: list[str],
                      launch: list[str] = ("--standalone",),
                      module: str = "utils.train_cifar10") -> list[str]:
-    """The torchrun command line of ``module`` (the training script); ``launch``:
-    torchrun's options besides ``--nproc_per_node``."""
+    """The torchrun command line of ``module`` (the training script; a path ending in
+    ``.py``: that file); ``launch``: torchrun's options besides ``--nproc_per_node``."""
+    target = [module] if module.endswith(".py") else ["-m", module]
     return [sys.executable, "-m", "torch.distributed.run", *launch,
-            f"--nproc_per_node={nproc}", "-m", module, *script_args]
+            f"--nproc_per_node={nproc}", *target, *script_args]
 
 
 def visible_devices(env: dict, count: int) -> list[str]:
@@ -638,6 +669,142 @@ def throughput_check(nproc: int, work: str, device: str = "cuda") -> dict:
             "passed": bool(returncode == 0 and result)}
 
 
+# --- 4b. the scripts' speed: what a newcomer may expect -------------------------------
+
+TRAIN_DDP = "examples/train_ddp.py"  # chapter 11's script, as a file
+TRAIN_CIFAR10 = "utils.train_cifar10"  # chapter 12's, as a module
+# train and test images of the synthetic stand-in (written once, read by both scripts),
+# and the global batch (the scripts' default): CIFAR-10's sizes on a GPU, a tiny set for
+# a SimpleCNN on the CPU (--rehearse)
+SPEED_SIZE = {"cuda": (50_000, 10_000), "cpu": (128, 32)}
+SPEED_BATCH = {"cuda": 256, "cpu": 32}
+SPEED_EPOCHS = 2  # the last one's seconds and images/s are read: the first also starts
+# the DataLoader workers and cuDNN's autotuning
+SPEED_BUDGET = 150  # seconds for the whole check; a run not started by then is skipped
+SPEED_RUN_TIMEOUT = 90  # seconds for one run (well under a minute each on an H100)
+SPEED_MIN_RUN = 15  # seconds of the budget below which no run is started
+
+
+def speed_world_sizes(nproc: int) -> list[int]:
+    """The numbers of GPUs each script is timed on: one, then all (one only, on one)."""
+    return sorted({1, nproc})
+
+
+def speed_args(script: str, device: str, data: str, out: str) -> list[str]:
+    """``script``'s arguments for scripts_speed: ResNet-18 (on the CPU a SimpleCNN, no
+    DataLoader workers), ``SPEED_EPOCHS`` epochs of the stand-in in ``data``, the
+    global batch of ``SPEED_BATCH``; utils.train_cifar10 with bf16 autocast (``--amp``)
+    and ``--synthetic``, examples/train_ddp.py as it is (float32)."""
+    cuda = device == "cuda"
+    common = ["--data", data, "--model", "resnet18" if cuda else "simplecnn",
+              "--epochs", str(SPEED_EPOCHS), "--global-batch", str(SPEED_BATCH[device]),
+              *([] if cuda else ["--workers", "0"]), "--device", device, "--out", out]
+    if script == TRAIN_DDP:
+        return common
+    return common + ["--synthetic", "--synthetic-size",
+                     *map(str, SPEED_SIZE[device]), *(["--amp"] if cuda else []),
+                     "--no-progress"]
+
+
+# examples/train_ddp.py's epoch line: "epoch 2/2: train loss 1.2345, test accuracy
+# 0.5678 (10000 images); 8.3 s, 6012 images/s[ on 1 process]"
+DDP_EPOCH = re.compile(r"^epoch (\d+)/\d+: .*; ([0-9.]+) s, ([0-9.]+) images/s")
+
+
+def ddp_epoch_figures(stdout: str, epoch: int) -> dict | None:
+    """Seconds and images/s of ``epoch`` as examples/train_ddp.py prints them, or
+    ``None`` where it printed no such line."""
+    for line in stdout.splitlines():
+        found = DDP_EPOCH.match(line)
+        if found and int(found[1]) == epoch:
+            return {"seconds_per_epoch": float(found[2]),
+                    "images_per_s": float(found[3])}
+    return None
+
+
+def cifar10_epoch_figures(out: str, epoch: int) -> dict | None:
+    """Seconds and images/s of ``epoch`` from utils.train_cifar10's
+    ``out/metrics.jsonl`` (``epoch_seconds``, ``images_per_s``, ``world_size``), or
+    ``None`` where it has no such line."""
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    for record in lines:
+        if record.get("epoch") == epoch:
+            return {"seconds_per_epoch": record["epoch_seconds"],
+                    "images_per_s": record["images_per_s"],
+                    "world_size_reported": record["world_size"]}
+    return None
+
+
+def _speed_torchrun(nproc: int, script: str, args: list[str],
+                    timeout: float) -> tuple[int, str, str]:
+    """One torchrun of ``script`` for scripts_speed (the tests fork its ranks)."""
+    return _torchrun(nproc, args, timeout=timeout, module=script)
+
+
+def _shown(command: list[str]) -> str:
+    """A torchrun command line as one would type it."""
+    return " ".join(command[1:]).replace("-m torch.distributed.run", "torchrun")
+
+
+def speed_run(script: str, nproc: int, args: list[str], timeout: float) -> dict:
+    """One timed run of ``script`` on ``nproc`` GPUs: its epoch ``SPEED_EPOCHS``
+    seconds and images/s (``None`` where it printed none), command and exit status."""
+    t0 = time.perf_counter()
+    code, stdout, stderr = _speed_torchrun(nproc, script, args, timeout)
+    figures = (ddp_epoch_figures(stdout, SPEED_EPOCHS) if script == TRAIN_DDP
+               else cifar10_epoch_figures(_arg(args, "--out"), SPEED_EPOCHS))
+    return {"script": script, "world_size": nproc,
+            "command": _shown(torchrun_command(nproc, args, module=script)),
+            "epoch": SPEED_EPOCHS,
+            **(figures or {"seconds_per_epoch": None, "images_per_s": None}),
+            "returncode": code, "run_seconds": round(time.perf_counter() - t0, 1),
+            "timeout_s": round(timeout, 1),
+            "stdout_tail": "" if figures else stdout[-1500:],
+            "stderr_tail": stderr[-1500:] if code or not figures else ""}
+
+
+def scripts_speed_check(nproc: int, work: str, device: str = "cuda") -> dict:
+    """Seconds per epoch and images/s of the book's two training scripts, as a
+    newcomer runs them (``torchrun``), on one GPU and on all: examples/train_ddp.py
+    (float32, DataLoader workers) and utils.train_cifar10 (bf16 autocast, the GPU
+    loader), ResNet-18, the second of 2 epochs of 50,000 synthetic 32x32 images.
+    Within ``SPEED_BUDGET`` seconds in all, writing the data included: a run that
+    would start later is skipped. Passed: every run printed its epoch's figures (its
+    exit status, which a "did not learn" verdict after the last epoch may make 1, is
+    recorded)."""
+    from .data import write_synthetic_cifar10
+
+    t0 = time.perf_counter()
+    n_train, n_test = SPEED_SIZE[device]
+    data = os.path.join(work, "speed_data")
+    write_synthetic_cifar10(data, n_train=n_train, n_test=n_test)
+    data_seconds, timings = round(time.perf_counter() - t0, 1), []
+    for world in speed_world_sizes(nproc):
+        for script in (TRAIN_DDP, TRAIN_CIFAR10):
+            stem = script.removesuffix(".py").replace("/", ".").split(".")[-1]
+            name = f"speed_{stem}_{world}"
+            args = speed_args(script, device, data, os.path.join(work, name))
+            left = SPEED_BUDGET - (time.perf_counter() - t0)
+            if left < SPEED_MIN_RUN:
+                timings.append({
+                    "script": script, "world_size": world, "seconds_per_epoch": None,
+                    "images_per_s": None,
+                    "command": _shown(torchrun_command(world, args, module=script)),
+                    "skipped": f"the check's {SPEED_BUDGET} s were spent"})
+                continue
+            timings.append(speed_run(script, world, args,
+                                     min(SPEED_RUN_TIMEOUT, left)))
+    return {"model": "resnet18" if device == "cuda" else "simplecnn",
+            "train_images": n_train, "test_images": n_test, "epochs": SPEED_EPOCHS,
+            "global_batch": SPEED_BATCH[device], "budget_s": SPEED_BUDGET,
+            "data_seconds": data_seconds, "timings": timings,
+            "passed": all(t["images_per_s"] is not None for t in timings)}
+
+
 def _reference(work: str, args: list[str], nproc: int, runs: dict) -> dict | None:
     """The final weights of the uninterrupted ``--deterministic`` run on all GPUs: the
     training check's if it ran in ``work``, else run now and added to ``runs``."""
@@ -799,8 +966,11 @@ ONE_GPU = {
     "two_nodes": "two nodes (two torchruns, static rendezvous on 127.0.0.1, the GPUs "
                  "split with CUDA_VISIBLE_DEVICES): needs 2 GPUs",
 }
+SPEED_ONE_GPU = ("scripts_speed on several GPUs: needs 2 GPUs (both scripts timed on "
+                 "1)")
 # --quick: the checks in order of what they are worth, within QUICK_MINUTES on one GPU
-QUICK = ["collectives", "loader_no_sync", "capstone", "loader_bench", "throughput"]
+QUICK = ["collectives", "loader_no_sync", "capstone", "loader_bench", "throughput",
+         "scripts_speed"]
 QUICK_MINUTES = 6
 QUICK_RUN_TIMEOUT = 150  # seconds for one process of --quick (and of --rehearse)
 QUICK_LEAVES = ("--quick leaves to the full profile: SyncBatchNorm, DataLoader workers "
@@ -814,11 +984,17 @@ H100 = "measured, 1 x H100 80GB, 2026-11-26"
 STATED_SECONDS = {
     "collectives": (15, H100), "loader_no_sync": (7, H100), "capstone": (105, H100),
     "loader_bench": (20, H100), "throughput": (40, H100),
+    # writing the data (~8 s), utils.train_cifar10 (~10 s to start, 2 epochs of ~5 s
+    # at the ~10,700 images/s of throughput's run, and their test passes), and
+    # examples/train_ddp.py in float32 (~10 s to start, 2 epochs at ~5,000 images/s)
+    "scripts_speed": (75, "estimate from throughput's images/s on 1 x H100"),
     "training": (110, "estimate"), "loader_workers": (80, "estimate"),
     "compile": (90, "estimate"), "amp_fp16": (80, "estimate"),
     "resume_on_fewer_gpus": (60, "estimate"), "two_nodes": (40, "estimate"),
     "make_test": (1800, "estimate"),
 }
+# what a check adds on 2 GPUs or more: {check: (seconds, why)}
+SEVERAL_GPUS_SECONDS = {"scripts_speed": (45, "+ the runs on all GPUs")}
 
 
 def plan(gpus: int, compile_reason: str | None = None,
@@ -827,7 +1003,8 @@ def plan(gpus: int, compile_reason: str | None = None,
     """``(checks, not_checked)``: the checks of ``profile`` ("quick" or "full") to run
     on ``gpus`` GPUs, in order, and what is not checked here, each with its reason."""
     if profile == "quick":
-        one_gpu = ([ONE_GPU["collectives"], ONE_GPU["training"]] if gpus < 2 else [])
+        one_gpu = ([ONE_GPU["collectives"], ONE_GPU["training"], SPEED_ONE_GPU]
+                   if gpus < 2 else [])
         return list(QUICK), [SEVERAL_MACHINES, QUICK_LEAVES, *one_gpu]
     checks = ["collectives", "loader_no_sync", "training", "loader_workers"]
     not_checked = [SEVERAL_MACHINES]
@@ -887,11 +1064,21 @@ def gpu_problem(listed: list[str], env, available: bool, count: int) -> str | No
     return None
 
 
+def stated_seconds(name: str, gpus: int) -> tuple[int, str]:
+    """``(seconds, where that figure comes from)`` that check ``name`` is stated to
+    take on ``gpus`` GPUs."""
+    seconds, source = STATED_SECONDS[name]
+    if gpus >= 2 and name in SEVERAL_GPUS_SECONDS:
+        more, why = SEVERAL_GPUS_SECONDS[name]
+        seconds, source = seconds + more, f"{source}; {why}"
+    return seconds, source
+
+
 def stated_plan(checks: list[str], gpus: int) -> tuple[list[str], int]:
     """The plan's lines, with the seconds each check is stated to take, and the sum."""
     lines, total = [], 0
     for name in checks:
-        seconds, source = STATED_SECONDS[name]
+        seconds, source = stated_seconds(name, gpus)
         total += seconds
         lines.append(f"{name:<22} {seconds:>5} s  ({source})")
     return lines, total
@@ -922,6 +1109,24 @@ def environment() -> dict:
             "platform": platform.platform()}
 
 
+def git_commit(root: str = ROOT) -> str | None:
+    """The commit checked out in ``root`` (``git rev-parse --short HEAD``), with
+    ``+changes`` where tracked files differ from it; ``None`` without git or outside a
+    repository (a copy of the files without ``.git``)."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True,
+                              text=True, timeout=60)
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode or changed.returncode:
+        return None
+    return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
+
+
 def make_test_check(nproc: int = 0, work: str = "", device: str = "cuda") -> dict:
     """``make test`` on this machine: its summary line, its time and its exit status."""
     t0 = time.perf_counter()
@@ -940,7 +1145,8 @@ CHECKS = {"collectives": collectives_check, "loader_no_sync": loader_sync_check,
           "loader_workers": loader_workers_check, "compile": compile_check,
           "amp_fp16": amp_fp16_check, "resume_on_fewer_gpus": fewer_gpus_check,
           "two_nodes": two_nodes_check, "loader_bench": loader_bench_check,
-          "throughput": throughput_check, "make_test": make_test_check}
+          "throughput": throughput_check, "scripts_speed": scripts_speed_check,
+          "make_test": make_test_check}
 
 
 def run_checks(names: list[str], nproc: int, device: str = "cuda") -> dict:
@@ -999,6 +1205,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
+    require_packages()
     profile = "quick" if args.quick else "full"
     if args.rehearse and args.make_test:
         p.error("--make-test runs make test on a GPU machine; leave it out of "
@@ -1041,11 +1248,11 @@ def main(argv=None) -> int:
                                    "utils.gpu_check",
                                    *(argv if argv is not None else sys.argv[1:])]),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                  timespec="seconds"),
+                  timespec="seconds"), "commit": git_commit(),
               "profile": profile, "rehearsal": args.rehearse,
               "environment": env, "world_size": nproc, "device": device,
               "run_timeout_s": RUN_TIMEOUT,
-              "stated_seconds": {n: STATED_SECONDS[n][0] for n in names},
+              "stated_seconds": {n: stated_seconds(n, nproc)[0] for n in names},
               "not_checked": not_checked, "checks": {}}
     where = "the CPU (rehearsal)" if args.rehearse else f"{nproc} x {env['gpus'][0]}"
     print(f"gpu-check {profile} on {where}: {', '.join(names)}; not checked here:",
