@@ -3,6 +3,7 @@ that timed them, or the sentence that they have not been measured on a GPU yet (
 predates the scripts_speed check)."""
 
 import json
+import os
 import re
 
 from utils import expected_results
@@ -66,3 +67,12 @@ def test_a_run_without_a_recorded_commit_says_so(tmp_path, capsys, monkeypatch):
     committed = expected_results.os.path.join(expected_results.ROOT, "book", "results",
                                               "gpu_check_quick_nvidia_h100_80gb_hbm3.json")
     assert re.fullmatch(r"[0-9a-f]{7,40}\*", expected_results._commit(committed, {}))
+
+
+def test_how_to_run_shows_what_the_results_files_hold():
+    """The page quotes `python -m utils.expected_results` as it prints today: a GPU run
+    that adds scripts_speed must be followed by the page (paste the new table)."""
+    page = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "book", "how_to_run.md")
+    with open(page) as f:
+        assert expected_results.expected_results() in f.read()
