@@ -37,7 +37,7 @@ def main():
         dist.all_reduce(total)  # summed over the ranks, in place, on every rank
         if rank == 0:  # one line per epoch, not one per rank; how many ranks took part
             mean = total.item() / world_size / len(loader)
-            print(f"epoch {epoch + 1}/{EPOCHS}: loss {mean:.4f} ({world_size} ranks)")
+            print(f"epoch {epoch + 1}/{EPOCHS}: loss {mean:.4f}, ranks {world_size}")
     dist.destroy_process_group()
 
 

@@ -68,7 +68,7 @@ def test_on_two_cpu_ranks_rank_0_prints_a_decreasing_loss(final_parameters):
     lines = stdout.splitlines()
     # one line per epoch (one-based): rank 1 printed nothing; each says 2 ranks took part
     assert [line.split(":")[0] for line in lines] == [f"epoch {e}/5" for e in range(1, 6)]
-    losses = [float(re.fullmatch(r"epoch \d/5: loss (\d+\.\d{4}) \(2 ranks\)",
+    losses = [float(re.fullmatch(r"epoch \d/5: loss (\d+\.\d{4}), ranks 2",
                                  line).group(1)) for line in lines]
     assert all(a > b for a, b in zip(losses, losses[1:])), losses
     assert losses[-1] < losses[0] / 100
@@ -97,4 +97,4 @@ def test_two_ranks_end_with_the_parameters_of_one_process(final_parameters):
     for k in alone:
         torch.testing.assert_close(rank0[k], alone[k], rtol=1e-5, atol=1e-5)
     # so the printed losses are the same to the 4 decimals printed
-    assert stdout1.replace("(1 ranks)", "(2 ranks)") == stdout2
+    assert stdout1.replace("ranks 1", "ranks 2") == stdout2

@@ -880,3 +880,12 @@ def test_the_default_lr_is_the_linear_rule_per_model():
     assert parse_args(["--global-batch", "64"]).lr == 0.0125  # SimpleCNN: 0.05 per 256
     given = parse_args(["--global-batch", "64", "--lr", "0.3"])
     assert given.lr == 0.3 and not given.lr_from_rule
+
+
+def test_download_refuses_a_folder_that_holds_the_stand_in(data, tmp_path):
+    """Its recorded MD5s would pass for CIFAR-10's: --download must not train on it."""
+    said = refusal("--data", data, "--download", "--out", str(tmp_path / "out"),
+                   *COMMON)
+    assert (f"--data {data} holds the book's generated stand-in, not CIFAR-10: "
+            "--download would train on it") in said, said
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")

@@ -10,7 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..data import download_cifar10, write_synthetic_cifar10
+from ..data import download_cifar10, is_synthetic_cifar10, write_synthetic_cifar10
 from ..devices import collective_device
 from .checkpoints import load_checkpoint
 
@@ -29,6 +29,10 @@ def prepare_data(args, local_rank: int, ddp: bool) -> None:
         raise SystemExit(f"error: no CIFAR-10 in {args.data!r}; "
                          "pass --download (needs a network) "
                          "or --synthetic (writes a small generated stand-in)")
+    if args.download and is_synthetic_cifar10(args.data):  # on every rank: all stop
+        raise SystemExit(f"error: --data {args.data} holds the book's generated "
+                         "stand-in, not CIFAR-10: --download would train on it; give "
+                         "--download another --data")
     if local_rank == 0 and not os.path.isdir(folder):
         if args.download:
             download_cifar10(args.data)
