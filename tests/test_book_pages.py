@@ -116,3 +116,9 @@ def test_timing_only_some_chapters_keeps_the_others_with_their_dates(tmp_path,
         written["date"]
     with pytest.raises(SystemExit, match="not in _toc.yml"):
         notebook_times.main(["--only", "notebooks/nope.ipynb", "--out", str(out)])
+
+
+def test_the_readme_is_short_enough_for_a_newcomer():
+    """At most 800 words (issue 43): what it is, the two commands, how to run on GPUs;
+    measurement history lives in book/results/, not in it."""
+    assert len((ROOT / "README.md").read_text().split()) <= 800
