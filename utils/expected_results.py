@@ -22,9 +22,8 @@ import subprocess
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "book", "results")
 PATTERN = "gpu_check_quick_*.json"
-NOT_MEASURED = ("Not measured on a GPU yet: no results file of `python -m "
-                "utils.gpu_check --quick` in book/results/ has its scripts_speed "
-                "check, which times both training scripts.")
+NOT_MEASURED = ("Not measured on a GPU yet: no GPU run of `python -m utils.gpu_check "
+                "--quick` has timed the two training scripts so far.")
 
 
 def _date(report: dict) -> datetime.datetime:

@@ -45,8 +45,10 @@ class Preemption:
     and after an epoch's last step, the ranks agree on it, so that all stop after the
     same step, write one checkpoint and exit with ``EXIT_PREEMPTED``. A second SIGINT
     at least a second after the first raises ``KeyboardInterrupt`` at once, as Python's
-    default does (one Ctrl-C or ``scancel --signal=INT`` reaches a rank twice within
-    milliseconds: from SLURM or the terminal, and from torchrun's agent).
+    default does (one ``scancel --signal=INT`` reaches a rank twice within milliseconds:
+    from SLURM, and from torchrun's agent; a terminal's Ctrl-C reaches torchrun alone,
+    which starts each rank in a session of its own, and then the rank once, from the
+    agent: ``book/results/failures_cpu.json``).
 
     The handlers are installed in the main thread (where Python allows them), and the
     previous ones restored after the run, unless a signal stopped it: then they stay,
