@@ -48,6 +48,9 @@ CASES = {  # name: (facts, the diagnosis's name starts so, exit code without --c
                          1),
     "no_driver": (Facts(cuda="13.0", messages=[NO_DRIVER]), "no NVIDIA driver", 1),
     "no_driver_found": (Facts(cuda="13.0"), "no NVIDIA driver", 1),
+    # no driver, and an empty CUDA_VISIBLE_DEVICES too: the driver is the cause
+    "no_driver_visible_empty": (Facts(cuda="13.0", visible="", messages=[NO_DRIVER]),
+                                "no NVIDIA driver", 1),
     "driver_not_loaded": (Facts(cuda="12.4", driver_library=True,
                                 smi_error="NVIDIA-SMI has failed because it couldn't "
                                           "communicate with the NVIDIA driver."),

@@ -79,8 +79,6 @@ def diagnose(facts: Facts) -> Diagnosis:
         return Diagnosis("CPU-only build of torch",
                          "torch was built without CUDA (torch.version.cuda is None)",
                          "install a CUDA build of torch: pytorch.org's selector")
-    if hides_all(facts.visible, facts.smi_gpus):
-        return hidden(facts.visible, "lists no device")
     if driver_too_old(facts.messages):
         return Diagnosis("driver too old for this torch's CUDA",
                          f"torch is built for CUDA {facts.cuda}; torch.cuda says "
@@ -93,6 +91,9 @@ def diagnose(facts: Facts) -> Diagnosis:
                          f"nvidia-smi and no driver library (libcuda)",
                          "install the NVIDIA driver (a container: run it with "
                          "--gpus all)")
+    # after the driver: with no driver, an empty CUDA_VISIBLE_DEVICES is not the cause
+    if hides_all(facts.visible, facts.smi_gpus):
+        return hidden(facts.visible, "lists no device")
     if facts.visible is not None and facts.smi_gpus:
         return hidden(facts.visible, f"names none of the {facts.smi_gpus} GPUs "
                                      f"nvidia-smi lists")

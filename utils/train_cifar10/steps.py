@@ -7,6 +7,7 @@ it runs; the hardening each step relies on lives in the module named in its impo
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -61,7 +62,7 @@ def main(argv=None) -> None:
         metrics = start_log(args, job, data)
         train(args, job, data, training, model, metrics)
         finish(args, job, training, metrics)
-    if training.failed:  # the verdict is rank 0's last line; every rank exits 1
+    if training.failed:  # rank 0's last line (under torchrun, above its report); exit 1
         raise SystemExit(training.failed if job.master else 1)
     if training.stop_signal and training.epoch < args.epochs:
         raise SystemExit(EXIT_PREEMPTED)
@@ -359,7 +360,9 @@ def save(args, training: Training, job: Job) -> None:
         # mid-epoch, the epoch's loss so far (a collective: on every rank)
         epoch_loss = (training.epoch_loss(job.world_size) if training.step_in_epoch
                       else (0.0, 0))
-        if job.master:
+        # a loss that is no longer finite: keep the last good checkpoint (the epoch's
+        # end then fails the run: did_not_learn)
+        if job.master and math.isfinite(epoch_loss[0]):
             keep_older(args, training)
             save_checkpoint(training.path, {
                 "format": FORMAT, "model": training.model.state_dict(),
