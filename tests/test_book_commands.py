@@ -150,6 +150,12 @@ def test_a_recipe_without_a_rehearsal_or_below_the_threshold_fails(recorded):
         f"no rehearsal of {recipes[0].name()} (printed at "
         f"{'; '.join(recipes[0].places)}): run `python -m utils.book_commands "
         f"--missing --out {bc.OUT}`"]
+    first = recorded["recipes"][0]
+    gone = {**first, "key": {**first["key"], "global_batch": 7}, "name": "gone"}
+    more = {**recorded, "recipes": recorded["recipes"] + [gone]}
+    assert bc.rehearsal_problems(more, recipes) == [
+        f"a rehearsal of gone, which the book no longer prints: run "
+        f"`{recorded['command']}`"]
     worse = json.loads(json.dumps(recorded))
     rehearsed = [e for e in worse["recipes"] if "not_rehearsed" not in e]
     rehearsed[-1]["accuracy"] = bc.THRESHOLD

@@ -92,15 +92,18 @@ def test_the_blocks_run_from_a_fresh_clone(tmp_path):
                                                         line)]
     for ran, page in zip(epochs[:3], shown[4:]):
         assert ran.split(";")[0] == page.split(";")[0], (ran, page)
-    # it learned: far above chance (0.10) after 3 epochs (0.82 measured)
+    # it learned: far above chance (0.10) after 3 epochs (0.92 measured)
     assert numbers(epochs[2])[1] >= 0.5, epochs
     # one line per epoch with images/s and the processes that took part
     assert all(re.search(r"; [\d.]+ s, \d+ images/s on \d+ process(es)?$", line)
                for line in epochs), epochs
     assert len(epochs) == 3 + 1 + 1 + 1  # rehearsal, 2 ranks, 1 GPU's, train_single's
     # the environment check: the lines the page shows are among those it printed
-    check = text.split("```text\n")[2].split("```", 1)[0].splitlines()
-    assert check and all(line in out for line in check), (check, done.stdout[-3000:])
+    # (the rank lines and the verdict; the rest depends on the machine's driver)
+    check = [line for line in text.split("```text\n")[2].split("```", 1)[0].splitlines()
+             if line.startswith(("rank ", "OK for a CPU run"))]
+    missing = [line for line in check if line not in done.stdout]
+    assert len(check) == 3 and not missing, (missing, done.stdout[-3000:])
     clone = tmp_path / "ddl-book"
     for out_folder in ("rehearsal", "train_ddp", "one_gpu", "train_single"):
         assert (clone / "runs" / out_folder / "checkpoint.pt").exists(), out_folder

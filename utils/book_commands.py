@@ -6,8 +6,9 @@ linear rule, and rehearsed on the CPU (issue 43).
     rehearse(recipe, n)   the recipe for n epochs on the generated stand-in, on the CPU
 
 ``python -m utils.book_commands --out book/results/book_commands_cpu.json`` rehearses
-every recipe; ``tests/test_book_commands.py`` fails when a page prints a command that
-breaks the rule or that has no rehearsal in that file.
+every recipe (ResNet-18's are recorded as not rehearsed: ``NOT_ON_CPU``);
+``tests/test_book_commands.py`` fails when a page prints a command that breaks the
+rule or that has no rehearsal in that file.
 
 A command is a line of a shell block (```bash, ```sh or a plain ```; joined over
 backslash continuations, comments dropped) or an inline code span that starts with a
@@ -15,9 +16,9 @@ launcher (``python``, ``torchrun``, after ``VAR=value`` settings) and runs
 ``train_ddp.py``, ``train_single.py`` or ``utils.train_cifar10``; ``--prepare-only``
 and ``--help`` train nothing and are skipped. A mention (``utils.train_cifar10
 --data-format webdataset`` in a table) has no launcher: no command. An argument
-``...`` (the rest, as above) is dropped. The SLURM recipe adds the command that its
-``srun`` runs, with its default ``TRAIN_ARGS`` and the global batch it computes for
-the nodes and GPUs of its header.
+``...`` (the rest, as above) names no option: it changes nothing. The SLURM recipe
+adds the command that its ``srun`` runs, with its default ``TRAIN_ARGS`` and the
+global batch it computes for the nodes and GPUs of its header.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 from utils import results
 
@@ -240,7 +242,7 @@ def parse_command(text: str, place: str = "") -> Recipe | None:
         if token in ("|", "||", "&&", ";", ">", ">>", "&"):
             tokens = tokens[:i]
             break
-    launched = launch([t for t in tokens if t != "..."])
+    launched = launch(tokens)
     split = launched and split_launcher(launched[2])
     if not split or {"--prepare-only", "--help", "-h"} & set(split[2]):
         return None
@@ -550,27 +552,30 @@ def kept(path: str, recipes: list[Recipe]) -> dict[tuple, dict]:
     return {key_of(e): e for e in entries if key_of(e) in keys}
 
 
-def rehearse_all(recipes: list[Recipe], done: dict[tuple, dict],
-                 timeout: float) -> list[dict]:
-    """The results file's entry of each recipe: from ``done``, or rehearsed now."""
-    rows = []
+def rehearse_all(recipes: list[Recipe], done: dict[tuple, dict], timeout: float,
+                 save: Callable[[list[dict]], None]) -> list[dict]:
+    """The results file's entry of each recipe, in order: from ``done``, or rehearsed
+    now, SimpleCNN's first; ``save`` gets the entries so far after each rehearsal
+    (``--missing`` goes on from there after an interruption)."""
+    done = {key: {**entry, **record(recipe, {})} for recipe in recipes
+            for key, entry in done.items() if key == recipe.key()}
     with tempfile.TemporaryDirectory() as tmp:
         data = stand_in(tmp)
-        for recipe in recipes:
+        for recipe in sorted(recipes, key=lambda r: r.model != "simplecnn"):
             if recipe.key() in done:
-                rows.append({**done[recipe.key()], **record(recipe, {})})
                 continue
             if recipe.model in NOT_ON_CPU:
-                rows.append(record(recipe, {"accuracy": None, "epochs": 0,
-                                            "returncode": 0,
-                                            "not_rehearsed": NOT_ON_CPU[recipe.model]}))
+                done[recipe.key()] = record(recipe, {
+                    "accuracy": None, "epochs": 0, "returncode": 0,
+                    "not_rehearsed": NOT_ON_CPU[recipe.model]})
                 continue
             print(f"rehearsing {recipe.name()}", flush=True)
-            rows.append(record(recipe, rehearse(recipe, EPOCHS[recipe.model], data,
-                                                timeout)))
-            print(json.dumps({k: rows[-1][k] for k in ("accuracy", "epochs", "steps",
-                                                       "seconds")}), flush=True)
-    return rows
+            row = record(recipe, rehearse(recipe, EPOCHS[recipe.model], data, timeout))
+            done[recipe.key()] = row
+            print(json.dumps({k: row[k] for k in ("accuracy", "epochs", "steps",
+                                                  "seconds")}), flush=True)
+            save([done[r.key()] for r in recipes if r.key() in done])
+    return [done[r.key()] for r in recipes]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -585,13 +590,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     recipes = commands()
     problems = [problem for recipe in recipes for problem in check_rule(recipe)]
+
+    def save(rows: list[dict]) -> None:
+        results.write(args.out, {
+            "command": f"python -m utils.book_commands --out {OUT}",
+            "threshold": THRESHOLD, "chance": CHANCE, "stand_in": list(STAND_IN),
+            "epochs": EPOCHS, "rule_problems": problems, "recipes": rows},
+            SOURCES + results.package_sources("utils/train_cifar10"))
+
     rows = rehearse_all(recipes, kept(args.out, recipes) if args.missing else {},
-                        args.timeout)
-    results.write(args.out, {
-        "command": f"python -m utils.book_commands --out {OUT}",
-        "threshold": THRESHOLD, "chance": CHANCE, "stand_in": list(STAND_IN),
-        "epochs": EPOCHS, "rule_problems": problems, "recipes": rows},
-        SOURCES + results.package_sources("utils/train_cifar10"))
+                        args.timeout, save)
+    save(rows)
     failed = [r["name"] for r in rows if "not_rehearsed" not in r
               and (r["returncode"] or (r["accuracy"] or 0) <= THRESHOLD)]
     print("\n".join(problems + [f"below {THRESHOLD}: {n}" for n in failed]) or "all ok")
