@@ -417,7 +417,7 @@ def test_a_job_warned_restarted_and_killed_during_its_save_requeues_itself_and_t
                                  [(signal.SIGUSR1, "job")])
     log = node1.read_text()
     assert "rank 0 fails before it resumes" in log and (
-        f"resumed from {out / 'checkpoint.pt'}: epoch {stopped['step'] // 40}, step "
+        f"resumed from {out / 'checkpoint.pt'}: epoch {stopped['step'] // 40 + 1}, step "
         f"{stopped['step'] % 40} of the epoch") in log
     assert "SIGUSR1 (the time limit is near)" in stdout and "the save did not finish" in stdout, (
         stdout + stderr)
@@ -450,5 +450,5 @@ def test_a_job_warned_restarted_and_killed_during_its_save_requeues_itself_and_t
     # in runs 1 and 2 (the log appends)
     assert node1.count("rank 0 fails before it resumes") == 2
     # rank 0 (on the head node) logs; the data came from the node-local copy
-    assert f"resumed from {out / 'checkpoint.pt'}: epoch {last_good // 40}, step {last_good % 40} " in node1
+    assert f"resumed from {out / 'checkpoint.pt'}: epoch {last_good // 40 + 1}, step {last_good % 40} " in node1
     assert f"synthetic CIFAR-10 in {local}:" in node1 and "2 process(es), cpu, gloo" in node1
