@@ -103,7 +103,8 @@ def main():
         dist.barrier(device_ids=[local_rank] if gpu else None)  # wait for the data
     if not os.path.isdir(folder):
         raise SystemExit(f"no CIFAR-10 in --data {args.data}: add --download (needs "
-                         "a network) or --synthetic (a generated stand-in, offline)")
+                         "a network), copy cifar-10-batches-py there from a machine "
+                         "with one, or --synthetic (a generated stand-in, offline)")
     train_set = CIFAR10(args.data, train=True,
                         transform=transforms.Compose(augment + normalize))
     test_set = CIFAR10(args.data, train=False, transform=transforms.Compose(normalize))
@@ -123,8 +124,7 @@ def main():
               sep="\n", flush=True)
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank,
                                  seed=args.seed, drop_last=True)  # no padded copies
-    # workers start once, from a fork server that imports torch for all (CPython
-    # gh-126631), not as forks of this process, which has threads (chapter 5)
+    # workers forked by a server that imported torch once, not by this process (ch. 5)
     start = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     if start == "forkserver":
         mp.get_context(start).set_forkserver_preload(["torch", "torchvision"])
@@ -159,6 +159,9 @@ def main():
         for name, part in parts.items():  # momentum and the schedule's step too
             part.load_state_dict(state[name])
         done = state["epoch"]  # the next line printed is epoch done + 1's
+    if args.resume and rank == 0:  # what it found: a wrong --out starts from scratch
+        print(f"resumed from {path}: {done} epoch(s) done" if done else
+              f"--resume: no {path} yet, starting at epoch 1", flush=True)
 
     # --- training --------------------------------------------------------------------
     for epoch in range(done, min(args.epochs, args.stop_after_epoch or args.epochs)):

@@ -85,7 +85,8 @@ def main():
         write_synthetic_cifar10(args.data)  # 5,000 + 1,000 generated images
     if not os.path.isdir(folder):
         raise SystemExit(f"no CIFAR-10 in --data {args.data}: add --download (needs "
-                         "a network) or --synthetic (a generated stand-in, offline)")
+                         "a network), copy cifar-10-batches-py there from a machine "
+                         "with one, or --synthetic (a generated stand-in, offline)")
     train_set = CIFAR10(args.data, train=True,
                         transform=transforms.Compose(augment + normalize))
     test_set = CIFAR10(args.data, train=False, transform=transforms.Compose(normalize))
@@ -95,8 +96,7 @@ def main():
     print(f"data: {kind} in {args.data}, {len(train_set)}+{len(test_set)} images",
           f"one process on {device}, batch {args.batch}, peak lr {lr:g}{rule}",
           sep="\n", flush=True)
-    # workers start once, from a fork server that imports torch for all (CPython
-    # gh-126631), not as forks of this process, which has threads (chapter 5)
+    # workers forked by a server that imported torch once, not by this process (ch. 5)
     start = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     if start == "forkserver":
         mp.get_context(start).set_forkserver_preload(["torch", "torchvision"])
@@ -131,6 +131,9 @@ def main():
         for name, part in parts.items():  # momentum and the schedule's step too
             part.load_state_dict(state[name])
         done = state["epoch"]  # the next line printed is epoch done + 1's
+    if args.resume:  # what it found: a wrong --out starts from scratch
+        print(f"resumed from {path}: {done} epoch(s) done" if done else
+              f"--resume: no {path} yet, starting at epoch 1", flush=True)
 
     # --- training --------------------------------------------------------------------
     for epoch in range(done, min(args.epochs, args.stop_after_epoch or args.epochs)):

@@ -116,6 +116,18 @@ def test_a_command_changed_off_the_rule_fails(tmp_path):
     assert "--lr 9, but the linear rule gives" in problems[0]
 
 
+def test_every_option_the_book_prints_is_one_its_script_accepts(tmp_path):
+    """So the commands a CPU cannot run (ResNet-18 on GPUs, the How-to-run blocks this
+    suite skips) cannot fail on a reader's GPUs with an unknown option."""
+    assert [u for r in bc.commands() for u in bc.unknown_options(r)] == []
+    assert {"--batch", "--data", "--synthetic"} <= bc.script_options("train_single.py")
+    root = copy_of_the_pages(tmp_path)
+    place = a_place(lambda r: r.script == "train_single.py" and r.model == "resnet18")
+    append_to_command(root, place, "--global_batch 64")  # an underscore for the dash
+    unknown = [u for r in bc.commands(root) for u in bc.unknown_options(r)]
+    assert len(unknown) == 1 and unknown[0].startswith("--global_batch in: "), unknown
+
+
 def test_resnet18_on_8_gpus_at_64_per_gpu_fails(tmp_path):
     root = copy_of_the_pages(tmp_path)
     place = a_place(lambda r: r.model == "resnet18" and r.processes == 8)

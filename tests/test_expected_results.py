@@ -17,7 +17,7 @@ def timing(script, world, seconds, rate):
 def report(date, speed=None, commit="abc1234", gpu="NVIDIA H200"):
     checks = {"capstone": {"passed": True}}
     if speed is not None:
-        checks["scripts_speed"] = {"model": "resnet18", "train_images": 50000, "epochs": 2, "global_batch": 256,
+        checks["scripts_speed"] = {"model": "resnet18", "train_images": 50000, "epochs": 2, "images_per_gpu": 128,
                                    "timings": speed, "passed": True}
     return {"date": date, "commit": commit, "environment": {"gpus": [gpu] * 2}, "checks": checks}
 
@@ -52,7 +52,7 @@ def test_the_table_of_the_newest_file_that_timed_them(tmp_path):
         "| `utils.train_cifar10` | 1 | 4.6 | 10,846 | NVIDIA H200 | 2026-12-01 | abc1234 |",
         "| `examples/train_ddp.py` | 2 | 4.4 | 11,360 | NVIDIA H200 | 2026-12-01 | abc1234 |",
         "| `utils.train_cifar10` | 2 | did not finish |  | NVIDIA H200 | 2026-12-01 | abc1234 |"]
-    assert lines[-1] == ("Epoch 2 of 2, resnet18, global batch 256, synthetic 32x32 images; from "
+    assert lines[-1] == ("Epoch 2 of 2, resnet18, 128 images per GPU, synthetic 32x32 images; from "
                          "`book/results/gpu_check_quick_nvidia_h200.json`.")
 
 

@@ -1,4 +1,4 @@
-"""utils.failures: the three failures of "How to run"'s troubleshooting section happen
+"""utils.failures: the five failures of "How to run"'s troubleshooting section happen
 as book/results/failures_cpu.json says, and the page shows that file's lines
 (book/_ext/results_text.py), so it cannot drift from what torchrun prints.
 
@@ -116,6 +116,22 @@ def test_the_recorded_sigterm_and_train_ddp_runs(recorded):
     assert not any(run["left_behind"] for run in (resumed, ddp))
 
 
+def test_the_recorded_killed_rank_and_no_network_runs(recorded):
+    """Recorded, not run again here (each is a torchrun of its own; the second needs a
+    machine without a network): what How to run's entries quote."""
+    killed = recorded["rank_killed"]
+    assert [name for name, _ in killed["signals"]] == ["kill_a_rank"]
+    assert killed["exit_code"] == 1 and not killed["left_behind"]
+    assert killed["root_cause"]["exitcode"] == -9
+    assert re.search(r"failed \(exitcode: -9\) local_rank: \d", killed["output"])
+    assert "Signal 9 (SIGKILL) received by PID" in killed["output"]
+    offline = recorded["no_network"]
+    assert offline["exit_code"] == 1 and not offline["left_behind"]
+    assert offline["root_cause"]["rank"] == 0
+    assert "URLError: <urlopen error" in offline["root_cause"]["error"]
+    assert "--download" in offline["command"]
+
+
 def test_sanitize_replaces_what_varies_between_runs():
     tmp = failures.tempfile.gettempdir()
     text = (f"W1128 10:59:47.618000 17897 torch/x.py:753] Sending process 17906\n"
@@ -123,14 +139,16 @@ def test_sanitize_replaces_what_varies_between_runs():
             f"  exitcode  : 1 (pid: 17264)\n  error_file: {tmp}/torchelastic_wad9y/"
             f"0e5e3bd9-ff49_tvxqc8fq/attempt_0/0/error.json\n"
             f"/w/x/file/run port: 29511, users:((\"python\",pid=18797,fd=3))\n"
-            f'  File "{ROOT}/.venv/lib/python3.11/site-packages/torch/a.py"')
+            f'  File "{ROOT}/.venv/lib/python3.11/site-packages/torch/a.py"\n'
+            f"  traceback : Signal 9 (SIGKILL) received by PID 7924")
     assert failures.sanitize(text, "/w/x", 29511).splitlines() == [
         "W<time> <pid> torch/x.py:753] Sending process <pid>",
         "  time      : <time>", "  host      : <host>",
         "  exitcode  : 1 (pid: <pid>)",
         "  error_file: <tmp>/torchelastic_<id>/<run>/attempt_0/0/error.json",
         '<work>/file/run port: <port>, users:(("python",pid=<pid>,fd=<fd>))',
-        '  File "<site-packages>/torch/a.py"']
+        '  File "<site-packages>/torch/a.py"',
+        "  traceback : Signal 9 (SIGKILL) received by PID <pid>"]
 
 
 def test_excerpt_marks_the_lines_left_out():

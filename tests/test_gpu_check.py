@@ -425,10 +425,14 @@ def test_scripts_speed_times_both_scripts_on_one_gpu_and_on_all(tmp_path, monkey
     assert [(t["script"], t["world_size"]) for t in timings] == [
         ("examples/train_ddp.py", 1), ("utils.train_cifar10", 1), ("examples/train_ddp.py", 2),
         ("utils.train_cifar10", 2)]
-    ddp = f"--data {data} --model resnet18 --epochs 2 --global-batch 256 --device cuda --out {tmp_path}/speed_"
-    assert timings[0]["command"] == f"torchrun --standalone --nproc_per_node=1 examples/train_ddp.py {ddp}train_ddp_1"
-    assert timings[3]["command"] == (f"torchrun --standalone --nproc_per_node=2 -m utils.train_cifar10 {ddp}"
-                                     "train_cifar10_2 --synthetic --synthetic-size 50000 10000 --amp --no-progress")
+    ddp = f"--data {data} --model resnet18 --epochs 2 --global-batch {{}} --device cuda --out {tmp_path}/speed_"
+    # 128 images a GPU, as the book's commands: a global batch of 128 on one, 256 on two
+    assert timings[0]["command"] == ("torchrun --standalone --nproc_per_node=1 examples/train_ddp.py "
+                                     + ddp.format(128) + "train_ddp_1")
+    assert timings[3]["command"] == (f"torchrun --standalone --nproc_per_node=2 -m utils.train_cifar10 "
+                                     + ddp.format(256) + "train_cifar10_2 --synthetic --synthetic-size 50000 10000 "
+                                     "--amp --no-progress")
+    assert result["images_per_gpu"] == 128
     # epoch 2's figures: printed by train_ddp.py, in train_cifar10's metrics.jsonl
     assert [(t["seconds_per_epoch"], t["images_per_s"]) for t in timings] == [(7.5, 5200.0), (4.2, 1234.5)] * 2
     assert [t["world_size_reported"] for t in timings[1::2]] == [1, 2]

@@ -248,3 +248,18 @@ def test_the_command_runs_a_fresh_clone_of_head_and_writes_the_file(tmp_path, mo
     ran_in = timed_lines(log.read_text())[0][1]  # the whole log, from --log
     assert ran_in.startswith(f"set-up in {scratch}") and ran_in.endswith("/ddl-book")
     assert list(scratch.iterdir()) == []  # the clone is gone
+    # --commit: an earlier commit, as it was (its .ci/run, not HEAD's), for a "before"
+    subprocess.run(git + ["commit", "-q", "-am", "after"], check=True)
+    assert suite_run.main(["--out", str(out), "--commit", "HEAD~1"]) == 1
+    before = json.loads(out.read_text())
+    assert before["commit"] == head.stdout.strip() and before["exit_code"] == 1
+    assert before["uncommitted_changes_not_run"] == 0
+    # --before: the earlier run's figures and the ratios, in the new file
+    shutil.copy(out, tmp_path / "before.json")
+    assert suite_run.main(["--out", str(out), "--before", str(tmp_path / "before.json")]) == 0
+    after = json.loads(out.read_text())
+    assert after["before"]["commit"] == before["commit"] != after["commit"]
+    assert after["before"]["cpu_s"] == before["totals"]["cpu_s"]
+    assert after["before"]["cpu_ratio"] == (round(after["totals"]["cpu_s"] / before["totals"]["cpu_s"], 3)
+                                            if before["totals"]["cpu_s"] else None)
+    assert after["before"]["same_environment"]

@@ -75,7 +75,7 @@ SOURCES = ["examples/train_ddp.py", "examples/train_single.py",
            "utils/book_commands.py::STAND_IN"]
 
 __all__ = ["Recipe", "commands", "found", "check_rule", "rehearse", "shell_commands",
-           "parse_command", "rehearsal_problems"]
+           "parse_command", "rehearsal_problems", "unknown_options"]
 
 
 @dataclasses.dataclass
@@ -278,6 +278,30 @@ def script_defaults(script: str) -> dict:
                 if keyword.arg == "default":
                     defaults[node.args[0].value] = ast.literal_eval(keyword.value)
     return defaults
+
+
+@functools.lru_cache(maxsize=None)
+def script_options(script: str) -> frozenset:
+    """Every option string of the script's ``add_argument`` calls (``--data``, ...)."""
+    calls = [node for node in ast.walk(script_tree(script))
+             if isinstance(node, ast.Call)
+             and getattr(node.func, "attr", "") == "add_argument"]
+    return frozenset(arg.value for node in calls for arg in node.args
+                     if isinstance(arg, ast.Constant)
+                     and str(arg.value).startswith("-"))
+
+
+def unknown_options(recipe: Recipe) -> list[str]:
+    """The options of the recipe's printed commands that its script does not accept
+    (a typo there is a command that fails at once on the reader's GPUs)."""
+    unknown = []
+    for text in recipe.printed:
+        tokens = shlex.split(text, comments=True)
+        args = split_launcher(launch(tokens)[2])[2]
+        unknown += [f"{token.split('=')[0]} in: {text}" for token in args
+                    if token.startswith("--")
+                    and token.split("=")[0] not in script_options(recipe.script)]
+    return unknown
 
 
 # --- the book's pages ----------------------------------------------------------------

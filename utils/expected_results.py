@@ -6,7 +6,7 @@ images/s, on one GPU and on all of a machine's, as the newest
     python -m utils.expected_results     # a markdown table, or why there is none
 
 The table has one row per script and number of GPUs: epoch 2 of 2 (the first also
-starts the DataLoader workers), ResNet-18, a global batch of 256, 50,000 synthetic
+starts the DataLoader workers), ResNet-18, 128 images per GPU, 50,000 synthetic
 32x32 images; the GPU, the date and the commit measured (``*``: the run did not record
 its commit, so the one that last changed the results file is given).
 """
@@ -103,7 +103,7 @@ def expected_results(folder: str = RESULTS) -> str:
         lines.append(f"| `{timing['script']}` | {timing['world_size']} | {seconds} | "
                      f"{rate} | {gpu} | {date} | {commit} |")
     lines += ["", f"Epoch {speed['epochs']} of {speed['epochs']}, "
-              f"{speed['model']}, global batch {speed['global_batch']}, synthetic "
+              f"{speed['model']}, {speed['images_per_gpu']} images per GPU, synthetic "
               f"32x32 images; from `book/results/{os.path.basename(path)}`."]
     return "\n".join(lines)
 

@@ -1,4 +1,4 @@
-"""Three failures a reader of "How to run" can meet under torchrun on a CPU, run for
+"""Five failures a reader of "How to run" can meet under torchrun on a CPU, run for
 real, with what torchrun and the ranks print (book/how_to_run.md, "When it fails"):
 
     python -m utils.failures --out book/results/failures_cpu.json
@@ -7,6 +7,10 @@ real, with what torchrun and the ranks print (book/how_to_run.md, "When it fails
   job on the node, a leftover run); and the same port as ``--rdzv-endpoint``.
 - ``rank_error``: one rank's exception (rank 0's save into an ``--out`` under a
   regular file) in torchrun's ``ChildFailedError`` report, which ``@record`` fills.
+- ``rank_killed``: SIGKILL to one rank of ``examples/train_ddp.py`` (what the host's
+  out-of-memory killer does): torchrun's ``exitcode: -9`` report.
+- ``no_network``: ``--download`` where CIFAR-10's host cannot be reached (run on a
+  machine with no network; skipped, not faked, on one that has it).
 - ``ctrl_c``: a terminal's Ctrl-C (SIGINT to torchrun's process group) during
   ``utils.train_cifar10``; its resume, stopped by SIGTERM to torchrun alone (``kill``,
   a scheduler); and Ctrl-C during ``examples/train_ddp.py``, which has no handler.
@@ -198,7 +202,7 @@ def sanitize(text: str, work: str = "", port: int | None = None) -> str:
             (r"time\s+: \S+", "time      : <time>"),
             (r"host\s+: \S+", "host      : <host>"),
             (rf"{tmp}/torchelastic_\w+/[\w-]+/", "<tmp>/torchelastic_<id>/<run>/"),
-            (r"(?i)(pid[:=] ?|process )\d+", r"\1<pid>"),
+            (r"(?i)(pid[:=] ?|pid |process )\d+", r"\1<pid>"),
             (r"fd=\d+", "fd=<fd>"),
             (r"[^\s\"']*/site-packages/", "<site-packages>/")]:
         text = re.sub(pattern, placeholder, text)
@@ -399,6 +403,61 @@ def _int(pattern: str, text: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def kill_a_rank(proc: subprocess.Popen) -> None:
+    """What the host's out-of-memory killer (or ``kill -9 PID``) does: SIGKILL to one
+    rank, the last torchrun started."""
+    ranks = [p for p in psutil.Process(proc.pid).children()
+             if "train_ddp.py" in " ".join(p.cmdline())]
+    max(ranks, key=lambda p: p.pid).kill()
+
+
+# torchrun's line for the killed rank, and its report's root cause
+KILLED_LINES = [r"failed \(exitcode: -?\d+\)", r"^Root Cause", r"^  rank\s+:",
+                r"^  exitcode\s+:", r"^  error_file:", r"^  traceback :", r" FAILED$"]
+
+
+def rank_killed(work: str) -> dict:
+    """A rank killed by SIGKILL in the second epoch of examples/train_ddp.py (after
+    the first epoch's checkpoint): what torchrun prints."""
+    out = "killed"
+    argv, shown = torchrun(["--standalone", "--nproc_per_node=2"],
+                           train_ddp(work, out, "--workers", "0", "--epochs", "3",
+                                     "--global-batch", "32"))
+    run = launch(argv, during=when_saved(os.path.join(work, out, "checkpoint.pt"),
+                                         kill_a_rank))
+    found = finish(run, shown, KILLED_LINES, work)
+    report = found["output"].split("Root Cause", 1)[-1]
+    found["root_cause"] = {"rank": _int(r"^  rank\s+: (\d+)", report),
+                           "exitcode": _int(r"^  exitcode\s+: (-?\d+)", report)}
+    return found
+
+
+# rank 0's error, and the report's root cause
+NETWORK_LINES = [r"^\[rank0\]: urllib\.error\.URLError", r"^Root Cause", r"^  rank\s+:",
+                 r"^  exitcode\s+:", r"^  urllib\.error\.URLError: "]
+CIFAR10_HOST = "www.cs.toronto.edu"  # where torchvision downloads CIFAR-10 from
+
+
+def no_network(work: str) -> dict:
+    """``--download`` on a machine that reaches no network (run where the name of
+    CIFAR-10's host does not resolve; elsewhere the scenario is skipped, not faked)."""
+    try:
+        socket.getaddrinfo(CIFAR10_HOST, 443)
+        return {"skipped": f"{CIFAR10_HOST} resolves here: this machine has a network"}
+    except OSError:
+        pass
+    argv, shown = torchrun(["--standalone", "--nproc_per_node=2"],
+                           [SCRIPT, "--download", "--data", os.path.join(work, "fresh"),
+                            "--device", "cpu", "--out", os.path.join(work, "offline")])
+    found = finish(launch(argv), shown, NETWORK_LINES, work)
+    report = found["output"].split("Root Cause", 1)[-1]
+    found["root_cause"] = {"rank": _int(r"^  rank\s+: (\d+)", report),
+                           "exitcode": _int(r"^  exitcode\s+: (-?\d+)", report),
+                           "error": (re.findall(r"^  ([\w.]*URLError: .*)$", report,
+                                                re.M) or [None])[-1]}
+    return found
+
+
 # the ranks' stop (or their KeyboardInterrupt), torchrun's relay of the signal, its
 # SIGKILL if a rank outlasts its shutdown timeout, and its own traceback
 SIGNAL_LINES = [r"every rank stopped after step", r"^resumed from", r"death signal",
@@ -440,6 +499,8 @@ def run_all(work: str) -> dict:
         port = beside.submit(port_in_use, work)
         found = {"rank_error": rank_error(work)}
         found["port_in_use"] = port.result()
+    found["rank_killed"] = rank_killed(work)
+    found["no_network"] = no_network(work)
     return {**found, **ctrl_c_scenarios(work)}
 
 

@@ -673,11 +673,11 @@ def throughput_check(nproc: int, work: str, device: str = "cuda") -> dict:
 
 TRAIN_DDP = "examples/train_ddp.py"  # chapter 11's script, as a file
 TRAIN_CIFAR10 = "utils.train_cifar10"  # chapter 12's, as a module
-# train and test images of the synthetic stand-in (written once, read by both scripts),
-# and the global batch (the scripts' default): CIFAR-10's sizes on a GPU, a tiny set for
-# a SimpleCNN on the CPU (--rehearse)
+# train and test images of the synthetic stand-in (written once, read by both scripts):
+# CIFAR-10's sizes on a GPU, a tiny set for a SimpleCNN on the CPU (--rehearse)
 SPEED_SIZE = {"cuda": (50_000, 10_000), "cpu": (128, 32)}
-SPEED_BATCH = {"cuda": 256, "cpu": 32}
+# images per process (the global batch grows with the processes, as in the book)
+SPEED_BATCH = {"cuda": 128, "cpu": 16}
 SPEED_EPOCHS = 2  # the last one's seconds and images/s are read: the first also starts
 # the DataLoader workers and cuDNN's autotuning
 SPEED_BUDGET = 150  # seconds for the whole check; a run not started by then is skipped
@@ -690,14 +690,17 @@ def speed_world_sizes(nproc: int) -> list[int]:
     return sorted({1, nproc})
 
 
-def speed_args(script: str, device: str, data: str, out: str) -> list[str]:
+def speed_args(script: str, device: str, data: str, out: str,
+               world: int = 1) -> list[str]:
     """``script``'s arguments for scripts_speed: ResNet-18 (on the CPU a SimpleCNN, no
     DataLoader workers), ``SPEED_EPOCHS`` epochs of the stand-in in ``data``, the
-    global batch of ``SPEED_BATCH``; utils.train_cifar10 with bf16 autocast (``--amp``)
+    ``SPEED_BATCH`` images per process (128 a GPU, as the book's commands: a global
+    batch of 128 x ``world``); utils.train_cifar10 with bf16 autocast (``--amp``)
     and ``--synthetic``, examples/train_ddp.py as it is (float32)."""
     cuda = device == "cuda"
     common = ["--data", data, "--model", "resnet18" if cuda else "simplecnn",
-              "--epochs", str(SPEED_EPOCHS), "--global-batch", str(SPEED_BATCH[device]),
+              "--epochs", str(SPEED_EPOCHS),
+              "--global-batch", str(SPEED_BATCH[device] * world),
               *([] if cuda else ["--workers", "0"]), "--device", device, "--out", out]
     if script == TRAIN_DDP:
         return common
@@ -787,7 +790,7 @@ def scripts_speed_check(nproc: int, work: str, device: str = "cuda") -> dict:
         for script in (TRAIN_DDP, TRAIN_CIFAR10):
             stem = script.removesuffix(".py").replace("/", ".").split(".")[-1]
             name = f"speed_{stem}_{world}"
-            args = speed_args(script, device, data, os.path.join(work, name))
+            args = speed_args(script, device, data, os.path.join(work, name), world)
             left = SPEED_BUDGET - (time.perf_counter() - t0)
             if left < SPEED_MIN_RUN:
                 timings.append({
@@ -800,7 +803,7 @@ def scripts_speed_check(nproc: int, work: str, device: str = "cuda") -> dict:
                                      min(SPEED_RUN_TIMEOUT, left)))
     return {"model": "resnet18" if device == "cuda" else "simplecnn",
             "train_images": n_train, "test_images": n_test, "epochs": SPEED_EPOCHS,
-            "global_batch": SPEED_BATCH[device], "budget_s": SPEED_BUDGET,
+            "images_per_gpu": SPEED_BATCH[device], "budget_s": SPEED_BUDGET,
             "data_seconds": data_seconds, "timings": timings,
             "passed": all(t["images_per_s"] is not None for t in timings)}
 

@@ -2,7 +2,8 @@
 
     python -m utils.suite_run --out book/results/test_suite_cpu.json
 
-clones this repository's HEAD (committed work only) into a temporary folder, runs
+clones this repository's HEAD (committed work only; ``--commit REV`` another commit,
+to measure a change's "before" on the same machine) into a temporary folder, runs
 ``bash .ci/run`` there with ``CI=true`` (the set-up of ``.venv`` included), and writes
 the wall time, the CPU seconds of every process of the run, its phases and the tail of
 its log, with the commit, the machine and the versions; it exits with ``.ci/run``'s
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import json
 import os
 import re
 import resource
@@ -434,6 +436,12 @@ def main(argv: list[str] | None = None) -> int:
                         "and run nothing")
     parser.add_argument("--tail", type=int, default=TAIL,
                         help=f"lines of the log kept in the file (default {TAIL})")
+    parser.add_argument("--commit", default="HEAD",
+                        help="the commit to clone and run (default HEAD): an earlier "
+                        "one measures the 'before' of a change on the same machine")
+    parser.add_argument("--before", help="a results file this command wrote for an "
+                        "earlier commit on this machine (--commit): the new file "
+                        "records it and the ratio of the CPU seconds")
     parser.add_argument("--keep", action="store_true",
                         help="keep the clone (in $TMPDIR) instead of removing it")
     args = parser.parse_args(argv)
@@ -446,10 +454,29 @@ def main(argv: list[str] | None = None) -> int:
     return _measure(args, argv)
 
 
+def _ratio(now: float, then: float) -> float | None:
+    return round(now / then, 3) if then else None
+
+
+def before_of(path: str, result: dict) -> dict:
+    """What the results file at ``path`` (an earlier commit, run on this machine)
+    says, beside ``result``: its commit, wall and CPU seconds, and the ratios."""
+    with open(path) as f:
+        before = json.load(f)
+    then, now = before["totals"], result["totals"]
+    return {"commit": before["commit"], "started": before["started"],
+            "green": before["green"], "wall_s": then["wall_s"], "cpu_s": then["cpu_s"],
+            "cpu_ratio": _ratio(now["cpu_s"], then["cpu_s"]),
+            "wall_ratio": _ratio(now["wall_s"], then["wall_s"]),
+            "same_environment": before.get("environment") == result.get("environment")}
+
+
 def _measure(args, argv) -> int:
-    """Clone HEAD, run the suite there, write the results file; .ci/run's exit code."""
-    commit = _git("rev-parse", "HEAD")
-    changed = _git("status", "--porcelain", "--untracked-files=no").splitlines()
+    """Clone the commit, run the suite there, write the results file; .ci/run's exit
+    code."""
+    commit = _git("rev-parse", args.commit)
+    changed = (_git("status", "--porcelain", "--untracked-files=no").splitlines()
+               if commit == _git("rev-parse", "HEAD") else [])
     folder = tempfile.mkdtemp(prefix="suite_run_")
     clone = os.path.join(folder, "ddl-book")
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
@@ -476,6 +503,8 @@ def _measure(args, argv) -> int:
               "tested_with": tested_with,
               "command": "python -m utils.suite_run "
                          + " ".join(sys.argv[1:] if argv is None else argv)}
+    if args.before:
+        result["before"] = before_of(args.before, result)
     _print_phases(result["phases"])
     print(f"exit code {code}, {wall / 60:.1f} min, {cpu['cpu_s']:.0f} CPU-s "
           f"({cpu['method']})")
