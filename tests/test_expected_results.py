@@ -10,8 +10,9 @@ from utils import expected_results
 from utils.expected_results import NOT_MEASURED
 
 
-def timing(script, world, seconds, rate):
-    return {"script": script, "world_size": world, "seconds_per_epoch": seconds, "images_per_s": rate}
+def timing(script, world, seconds, rate, accuracy=None):
+    return {"script": script, "world_size": world, "seconds_per_epoch": seconds, "images_per_s": rate,
+            "test_accuracy": accuracy}
 
 
 def report(date, speed=None, commit="abc1234", gpu="NVIDIA H200"):
@@ -26,7 +27,7 @@ def write(folder, name, content):
     (folder / name).write_text(json.dumps(content))
 
 
-SPEED = [timing("examples/train_ddp.py", 1, 8.34, 5995.2), timing("utils.train_cifar10", 1, 4.61, 10846.0),
+SPEED = [timing("examples/train_ddp.py", 1, 8.34, 5995.2, 0.9512), timing("utils.train_cifar10", 1, 4.61, 10846.0),
          timing("examples/train_ddp.py", 2, 4.4, 11360.0), timing("utils.train_cifar10", 2, None, None)]
 
 
@@ -46,13 +47,15 @@ def test_the_table_of_the_newest_file_that_timed_them(tmp_path):
     write(tmp_path, "gpu_check_quick_nvidia_h100.json", report("2026-12-02T10:00:00+00:00"))  # newer, no check
     write(tmp_path, "gpu_check_nvidia_h200.json", report("2026-12-03T10:00:00+00:00", SPEED[:1]))  # not --quick
     lines = expected_results.expected_results(str(tmp_path)).splitlines()
-    assert lines[0] == ("| script | GPUs | seconds per epoch (50,000 images) | images/s | GPU | date | commit |")
+    assert lines[0] == ("| script | GPUs | seconds per epoch (50,000 images) | images/s | test accuracy | GPU | "
+                        "date | commit |")
     assert lines[2:6] == [
-        "| `examples/train_ddp.py` | 1 | 8.3 | 5,995 | NVIDIA H200 | 2026-12-01 | abc1234 |",
-        "| `utils.train_cifar10` | 1 | 4.6 | 10,846 | NVIDIA H200 | 2026-12-01 | abc1234 |",
-        "| `examples/train_ddp.py` | 2 | 4.4 | 11,360 | NVIDIA H200 | 2026-12-01 | abc1234 |",
-        "| `utils.train_cifar10` | 2 | did not finish |  | NVIDIA H200 | 2026-12-01 | abc1234 |"]
-    assert lines[-1] == ("Epoch 2 of 2, resnet18, 128 images per GPU, synthetic 32x32 images; from "
+        "| `examples/train_ddp.py` | 1 | 8.3 | 5,995 | 0.951 | NVIDIA H200 | 2026-12-01 | abc1234 |",
+        "| `utils.train_cifar10` | 1 | 4.6 | 10,846 |  | NVIDIA H200 | 2026-12-01 | abc1234 |",
+        "| `examples/train_ddp.py` | 2 | 4.4 | 11,360 |  | NVIDIA H200 | 2026-12-01 | abc1234 |",
+        "| `utils.train_cifar10` | 2 | did not finish |  |  | NVIDIA H200 | 2026-12-01 | abc1234 |"]
+    assert lines[-1] == ("Epoch 2 of 2, resnet18, 128 images per GPU, synthetic 32x32 images (the generated "
+                         "stand-in: its accuracy says the run learned, not what CIFAR-10 would score); from "
                          "`book/results/gpu_check_quick_nvidia_h200.json`.")
 
 
@@ -60,7 +63,7 @@ def test_a_run_without_a_recorded_commit_says_so(tmp_path, capsys, monkeypatch):
     skipped = {**timing("utils.train_cifar10", 8, None, None), "skipped": "the check's 150 s were spent"}
     write(tmp_path, "gpu_check_quick_nvidia_h200.json", report("2026-12-01T10:00:00+00:00", [skipped], commit=None))
     table = expected_results.expected_results(str(tmp_path))
-    assert "| `utils.train_cifar10` | 8 | skipped (time budget) |  | NVIDIA H200 | 2026-12-01 | not recorded |" in table
+    assert "| `utils.train_cifar10` | 8 | skipped (time budget) |  |  | NVIDIA H200 | 2026-12-01 | not recorded |" in table
     monkeypatch.setattr(expected_results, "RESULTS", str(tmp_path))
     assert expected_results.main() == 0 and capsys.readouterr().out == table + "\n"
     # a committed file whose run did not record its commit: the commit of the file, marked

@@ -480,15 +480,16 @@ def test_scripts_speed_starts_no_run_past_its_budget(tmp_path, monkeypatch):
 def test_the_epoch_figures_are_read_as_the_scripts_write_them(tmp_path):
     stdout = ("data: ...\nepoch 1/2: train loss 2.1, test accuracy 0.31 (10000 images); 9.0 s, 5547 images/s\n"
               "epoch 2/2: train loss 1.2, test accuracy 0.62 (10000 images); 8.3 s, 6012 images/s on 2 processes\n")
-    assert gpu_check.ddp_epoch_figures(stdout, 2) == {"seconds_per_epoch": 8.3, "images_per_s": 6012.0}
+    assert gpu_check.ddp_epoch_figures(stdout, 2) == {"seconds_per_epoch": 8.3, "images_per_s": 6012.0,
+                                                      "test_accuracy": 0.62}
     assert gpu_check.ddp_epoch_figures(stdout, 1)["images_per_s"] == 5547.0
     assert gpu_check.ddp_epoch_figures(stdout, 3) is None
     assert gpu_check.cifar10_epoch_figures(str(tmp_path), 2) is None  # no metrics.jsonl
     (tmp_path / "metrics.jsonl").write_text(
-        "".join(json.dumps({"epoch": e, "images_per_s": 100.0 * e, "epoch_seconds": 5.0 / e, "world_size": 4})
-                + "\n" for e in (1, 2)))
+        "".join(json.dumps({"epoch": e, "images_per_s": 100.0 * e, "epoch_seconds": 5.0 / e, "world_size": 4,
+                            "test_accuracy": 0.4 * e}) + "\n" for e in (1, 2)))
     assert gpu_check.cifar10_epoch_figures(str(tmp_path), 2) == {"seconds_per_epoch": 2.5, "images_per_s": 200.0,
-                                                                 "world_size_reported": 4}
+                                                                 "test_accuracy": 0.8, "world_size_reported": 4}
     assert gpu_check.speed_world_sizes(1) == [1] and gpu_check.speed_world_sizes(8) == [1, 8]
 
 

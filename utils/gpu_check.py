@@ -711,24 +711,25 @@ def speed_args(script: str, device: str, data: str, out: str,
 
 # examples/train_ddp.py's epoch line: "epoch 2/2: train loss 1.2345, test accuracy
 # 0.5678 (10000 images); 8.3 s, 6012 images/s[ on 1 process]"
-DDP_EPOCH = re.compile(r"^epoch (\d+)/\d+: .*; ([0-9.]+) s, ([0-9.]+) images/s")
+DDP_EPOCH = re.compile(r"^epoch (\d+)/\d+: .*test accuracy ([0-9.]+) .*; ([0-9.]+) s, "
+                       r"([0-9.]+) images/s")
 
 
 def ddp_epoch_figures(stdout: str, epoch: int) -> dict | None:
-    """Seconds and images/s of ``epoch`` as examples/train_ddp.py prints them, or
-    ``None`` where it printed no such line."""
+    """Seconds, images/s and test accuracy of ``epoch`` as examples/train_ddp.py
+    prints them, or ``None`` where it printed no such line."""
     for line in stdout.splitlines():
         found = DDP_EPOCH.match(line)
         if found and int(found[1]) == epoch:
-            return {"seconds_per_epoch": float(found[2]),
-                    "images_per_s": float(found[3])}
+            return {"seconds_per_epoch": float(found[3]),
+                    "images_per_s": float(found[4]), "test_accuracy": float(found[2])}
     return None
 
 
 def cifar10_epoch_figures(out: str, epoch: int) -> dict | None:
-    """Seconds and images/s of ``epoch`` from utils.train_cifar10's
-    ``out/metrics.jsonl`` (``epoch_seconds``, ``images_per_s``, ``world_size``), or
-    ``None`` where it has no such line."""
+    """Seconds, images/s and test accuracy of ``epoch`` from utils.train_cifar10's
+    ``out/metrics.jsonl`` (``epoch_seconds``, ``images_per_s``, ``test_accuracy``,
+    ``world_size``), or ``None`` where it has no such line."""
     path = os.path.join(out, "metrics.jsonl")
     if not os.path.exists(path):
         return None
@@ -738,6 +739,7 @@ def cifar10_epoch_figures(out: str, epoch: int) -> dict | None:
         if record.get("epoch") == epoch:
             return {"seconds_per_epoch": record["epoch_seconds"],
                     "images_per_s": record["images_per_s"],
+                    "test_accuracy": record.get("test_accuracy"),
                     "world_size_reported": record["world_size"]}
     return None
 
@@ -763,7 +765,8 @@ def speed_run(script: str, nproc: int, args: list[str], timeout: float) -> dict:
     return {"script": script, "world_size": nproc,
             "command": _shown(torchrun_command(nproc, args, module=script)),
             "epoch": SPEED_EPOCHS,
-            **(figures or {"seconds_per_epoch": None, "images_per_s": None}),
+            **(figures or {"seconds_per_epoch": None, "images_per_s": None,
+                           "test_accuracy": None}),
             "returncode": code, "run_seconds": round(time.perf_counter() - t0, 1),
             "timeout_s": round(timeout, 1),
             "stdout_tail": "" if figures else stdout[-1500:],
