@@ -83,7 +83,9 @@ def test_a_ranks_error_heads_torchruns_report(work, recorded):
     out = found["output"]
     # the rank's own traceback (through @record) is printed above torchrun's report
     assert out.index(f"[rank0]: {error}") < out.index("Root Cause") < out.rindex(error)
-    assert kept(out) == kept(recorded["rank_error"]["output"]), AGAIN
+    # from the root cause on (whether torchrun lists the rank it stopped above it varies)
+    assert (kept(out.split("Root Cause", 1)[1]) ==
+            kept(recorded["rank_error"]["output"].split("Root Cause", 1)[1])), AGAIN
 
 
 def test_ctrl_c_stops_every_rank_at_one_step_with_75(work, recorded):

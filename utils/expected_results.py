@@ -88,8 +88,8 @@ def _figures(timing: dict) -> tuple[str, str, str]:
 
 def expected_results(folder: str = RESULTS) -> str:
     """The newest ``scripts_speed`` figures as a markdown table ("script, GPUs,
-    seconds per epoch, images/s, test accuracy, GPU, date, commit") with a line saying where they
-    come from, or ``NOT_MEASURED``."""
+    seconds per epoch, images/s, test accuracy, GPU, date, commit") with a line saying
+    where they come from, or ``NOT_MEASURED``."""
     found = newest_speed_results(folder)
     if found is None:
         return NOT_MEASURED
@@ -106,8 +106,8 @@ def expected_results(folder: str = RESULTS) -> str:
                      f"{rate} | {accuracy} | {gpu} | {date} | {commit} |")
     lines += ["", f"Epoch {speed['epochs']} of {speed['epochs']}, "
               f"{speed['model']}, {speed['images_per_gpu']} images per GPU, synthetic "
-              f"32x32 images (the generated stand-in: its accuracy says the run learned, "
-              f"not what CIFAR-10 would score); from "
+              "32x32 images (the generated stand-in: its accuracy says the run learned,"
+              " not what CIFAR-10 would score); from "
               f"`book/results/{os.path.basename(path)}`."]
     return "\n".join(lines)
 

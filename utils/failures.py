@@ -388,7 +388,8 @@ def rank_error(work: str) -> dict:
                            train_ddp(work, "file/run", "--workers", "0",
                                      "--epochs", "1", "--global-batch", "64"))
     found = finish(launch(argv), shown, REPORT_LINES, work)
-    report = found["output"]
+    # the root cause's block (the rank torchrun stopped may be listed above it)
+    report = found["output"].split("Root Cause", 1)[-1]
     found["root_cause"] = {
         "rank": _int(r"^  rank\s+: (\d+)", report),
         "exitcode": _int(r"^  exitcode\s+: (-?\d+)", report),
