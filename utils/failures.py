@@ -388,13 +388,24 @@ def rank_error(work: str) -> dict:
                            train_ddp(work, "file/run", "--workers", "0",
                                      "--epochs", "1", "--global-batch", "64"))
     found = finish(launch(argv), shown, REPORT_LINES, work)
-    # the root cause's block (the rank torchrun stopped may be listed above it)
-    report = found["output"].split("Root Cause", 1)[-1]
-    found["root_cause"] = {
-        "rank": _int(r"^  rank\s+: (\d+)", report),
-        "exitcode": _int(r"^  exitcode\s+: (-?\d+)", report),
-        "error_file": bool(re.search(r"^  error_file: \S+error\.json$", report, re.M)),
-        "error": (re.findall(r"^  (\w+Error: .*)$", report, re.M) or [None])[-1]}
+    cause = root_cause(found["output"], r"\w+Error: .*")
+    block = found["output"].split("Root Cause", 1)[-1]
+    cause["error_file"] = bool(re.search(r"^  error_file: \S+error\.json$", block,
+                                         re.M))
+    found["root_cause"] = {key: cause[key] for key in ("rank", "exitcode", "error_file",
+                                                       "error")}
+    return found
+
+
+def root_cause(output: str, error: str | None = None) -> dict:
+    """The rank and exit code in the root cause's block of torchrun's report (the rank
+    torchrun stopped may be listed above it), and the last line there matching
+    ``error``, where given."""
+    report = output.split("Root Cause", 1)[-1]
+    found = {"rank": _int(r"^  rank\s+: (\d+)", report),
+             "exitcode": _int(r"^  exitcode\s+: (-?\d+)", report)}
+    if error is not None:
+        found["error"] = (re.findall(rf"^  ({error})$", report, re.M) or [None])[-1]
     return found
 
 
@@ -427,9 +438,7 @@ def rank_killed(work: str) -> dict:
     run = launch(argv, during=when_saved(os.path.join(work, out, "checkpoint.pt"),
                                          kill_a_rank))
     found = finish(run, shown, KILLED_LINES, work)
-    report = found["output"].split("Root Cause", 1)[-1]
-    found["root_cause"] = {"rank": _int(r"^  rank\s+: (\d+)", report),
-                           "exitcode": _int(r"^  exitcode\s+: (-?\d+)", report)}
+    found["root_cause"] = root_cause(found["output"])
     return found
 
 
@@ -451,11 +460,7 @@ def no_network(work: str) -> dict:
                            [SCRIPT, "--download", "--data", os.path.join(work, "fresh"),
                             "--device", "cpu", "--out", os.path.join(work, "offline")])
     found = finish(launch(argv), shown, NETWORK_LINES, work)
-    report = found["output"].split("Root Cause", 1)[-1]
-    found["root_cause"] = {"rank": _int(r"^  rank\s+: (\d+)", report),
-                           "exitcode": _int(r"^  exitcode\s+: (-?\d+)", report),
-                           "error": (re.findall(r"^  ([\w.]*URLError: .*)$", report,
-                                                re.M) or [None])[-1]}
+    found["root_cause"] = root_cause(found["output"], r"[\w.]*URLError: .*")
     return found
 
 
