@@ -25,6 +25,8 @@ module.
   that started its loader is gone: a worker of a fork server is the server's child, not
   the rank's, so the loader's own watch (of the worker's parent) does not see a rank
   killed with ``SIGKILL``.
+- :func:`end_workers` ends a process's workers at once, for a process that is about to
+  exit on an exception (see its docstring: otherwise such a process never exits).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Callable
 import psutil
 
 __all__ = ["PRELOAD", "STOP_SIGNALS", "worker_context", "WatchParent", "parent_alive",
-           "exit_when_orphaned", "ignore_stop_signals"]
+           "exit_when_orphaned", "ignore_stop_signals", "end_workers"]
 
 # What a fork server imports before it forks any worker: what every book data set needs.
 PRELOAD = ("torch", "torch.distributed", "cloudpickle", "utils")
@@ -54,6 +56,26 @@ def ignore_stop_signals() -> None:
     fork server's workers)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+def end_workers(timeout: float = 5.0) -> None:
+    """SIGKILL to every worker process this process started, then wait for them.
+
+    For a process about to exit on an exception. Its traceback keeps the loaders'
+    iterators alive into interpreter exit, where torch has turned their own shutdown
+    into a no-op; multiprocessing's exit hook then sends its daemonic children SIGTERM,
+    which workers that ignore ``STOP_SIGNALS`` ignore, and joins them with no timeout:
+    the process never exits, and under torchrun or SLURM the whole job waits with it.
+    torch's SIGCHLD handler, which would raise in this process for a worker it did not
+    see end, is put back to the default first."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    if hasattr(signal, "SIGCHLD") and main_thread:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    children = mp.active_children()
+    for child in children:
+        child.kill()
+    for child in children:
+        child.join(timeout)
 
 
 def worker_context(*preload: str, detach: bool = False) -> mp.context.BaseContext:

@@ -101,8 +101,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from OUT/checkpoint.pt if rank 0 finds it")
     p.add_argument("--fail-at-step", type=int, default=-1,
-                   help="(testing) the last rank dies at the start of this step "
-                        "(from 1), in its node's first attempt: no rank completes it")
+                   help="(testing) the last rank raises an exception at the start of "
+                        "this step (from 1), in its node's first attempt: no rank "
+                        "completes it")
     p.add_argument("--stop-at-step", type=int, default=-1,
                    help="stop after this step with a checkpoint, as a job whose time "
                         "is up (resume with --resume)")

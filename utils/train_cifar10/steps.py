@@ -28,7 +28,7 @@ from ..data import is_synthetic_cifar10, load_cifar10
 from ..gpu_loader import GPULoader, resident_bytes
 from ..metrics import EvalShardSampler, sum_over_ranks
 from ..seeding import derive_seed, seed_everything
-from ..workers import WatchParent
+from ..workers import WatchParent, end_workers
 from .augment import KeyedAugment
 from .checkpoints import (CHECKPOINT, FORMAT, EpochSampler, keep_older, run_config,
                           save_checkpoint)
@@ -431,7 +431,7 @@ def train(args, job: Job, data: Data, training: Training, model: nn.Module,
           metrics) -> None:
     """Epochs until ``--epochs``, ``--stop-at-step``, or a signal the ranks agreed on
     (``training.stop_signal``)."""
-    # --fail-at-step kills a rank in its node's first attempt only
+    # --fail-at-step fails a rank in its node's first attempt only
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     while training.epoch < args.epochs:
         data.set_epoch(training.epoch, training.step_in_epoch, job.batch_size)
@@ -469,8 +469,10 @@ def train_epoch(args, job: Job, data: Data, training: Training, model: nn.Module
     for x, y in data.train_loader:
         if (training.step + 1 == args.fail_at_step and job.rank == job.world_size - 1
                 and restarts == 0):
-            # a crash during this step, for the fault-tolerance test: no cleanup
-            os._exit(1)
+            # a failure during this step, for the fault-tolerance tests: an exception,
+            # as a CUDA out-of-memory error or a failed save raises
+            raise RuntimeError(f"--fail-at-step {args.fail_at_step}: rank {job.rank} "
+                               "fails (a test of restarts)")
         loss = train_step(args, job, training, model, x, y)
         if not training.stepped:
             shorten_timeouts(job, args.step_timeout)
@@ -604,5 +606,10 @@ def run() -> None:
     that under torchrun a rank's exception and traceback reach its error file and
     torchrun prints them (instead of ``error_file: <N/A>``). ``main`` itself, which
     notebooks and tests call in-process, goes without: ``@record`` also sets up a fault
-    handler on the process's stderr."""
-    record(main)()
+    handler on the process's stderr. A rank that raises ends its DataLoader workers
+    before it exits (``end_workers``: without that it would never exit)."""
+    try:
+        record(main)()
+    except BaseException:
+        end_workers()
+        raise
