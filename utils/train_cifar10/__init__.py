@@ -81,8 +81,9 @@ from .checkpoints import (CHECKPOINT, FORMAT, LEGACY_SETTINGS, RUN_SETTINGS,
 from .per_node import (agree_on_resume, check_same_data, from_rank_0, prepare_data)
 from .restarts import (FIND_STORE_SECONDS, attempt_store, init_process_group,
                        shorten_timeouts)
-from .preemption import (EXIT_PREEMPTED, PREEMPTED, STOP_CHECK_EVERY, Preemption,
-                         refuse_restart_after_preemption, this_run, write_preempted)
+from .preemption import (DONE, EXIT_PREEMPTED, PREEMPTED, STOP_CHECK_EVERY,
+                         Preemption, refuse_restart_after_preemption, this_run,
+                         write_preempted)
 from .shards import (IMAGE_KEYS, SHUFFLE_BUFFER, EpochBatches, ShardStream,
                      StreamAugment, check_dealing, check_resume, count_samples, deal,
                      expand_shards, open_shards, sample_index, shard_counts,

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 
 PREEMPTED = "preempted.json"  # rank 0 writes it when a signal stopped the run
+DONE = "done.json"  # rank 0 writes it with model_final.pt: this run is complete
 
 
 # the exit code of every rank stopped by SIGTERM or SIGUSR1 after its checkpoint:
@@ -122,10 +123,12 @@ def refuse_restart_after_preemption(args, job: Job) -> None:
 
 
 def this_run() -> dict:
-    """What names this run in ``preempted.json``: torchrun's run id, SLURM's job id and
-    restart (requeue) count, where set."""
+    """What names this run in ``preempted.json`` and ``done.json``: torchrun's run id
+    and launch (``init_process_group``: a relaunch that reuses the run id is another
+    run), SLURM's job id and restart (requeue) count, where set."""
     env = os.environ.get
     return {"torchrun_run_id": env("TORCHELASTIC_RUN_ID"),
+            "launch": env("TRAIN_CIFAR10_LAUNCH"),
             "slurm_job_id": env("SLURM_JOB_ID"),
             "slurm_restart": int(env("SLURM_RESTART_COUNT", 0))}
 

@@ -43,6 +43,12 @@ def init_process_group(backend: str, device: torch.device | None = None,
     store, attempt = attempt_store(shared, os.environ["MASTER_ADDR"], rank, world_size,
                                    floor)
     os.environ["TRAIN_CIFAR10_ATTEMPT"] = str(attempt)
+    # one id for every attempt of this launch, none of another: in the agent's store,
+    # which lives as long as the launch (a relaunch that reuses --rdzv-id gets a new
+    # one); the first rank to ask sets it
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        launch = shared.compare_set("train_cifar10/launch", "", os.urandom(8).hex())
+        os.environ["TRAIN_CIFAR10_LAUNCH"] = launch.decode()
     # device_id binds this rank's GPU to the group: barriers use it
     extra = {"device_id": device} if backend == "nccl" else {}
     if timeout is not None:
@@ -115,7 +121,7 @@ def shorten_timeouts(job, seconds: float) -> None:
     of the training and on the preemption flag's."""
     if not job.ddp:
         return
-    set_timeout = (getattr(dist, "set_timeout", None)  # torch >= 2.10
+    set_timeout = (getattr(dist, "set_timeout", None)  # torch >= 2.14
                    or getattr(dist.distributed_c10d, "_set_pg_timeout", None))
     if set_timeout is None:  # an older torch
         if job.master:

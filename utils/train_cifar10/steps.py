@@ -31,13 +31,14 @@ from ..seeding import derive_seed, seed_everything
 from ..workers import WatchParent, end_workers
 from .augment import KeyedAugment
 from .checkpoints import (CHECKPOINT, FORMAT, EpochSampler, keep_older, run_config,
-                          save_checkpoint)
+                          save_checkpoint, write_atomically)
 from .launcher import check_compile, setup_distributed
 from .loaders import (agreed_free_memory, batch_dtype, choose_loader, eval_workers,
                       make_train_loader, shield_worker, worker_start)
 from .per_node import agree_on_resume, check_same_data, prepare_data
-from .preemption import (EXIT_PREEMPTED, PREEMPTED, STOP_CHECK_EVERY, Preemption,
-                         refuse_restart_after_preemption, write_preempted)
+from .preemption import (DONE, EXIT_PREEMPTED, PREEMPTED, STOP_CHECK_EVERY,
+                         Preemption, refuse_restart_after_preemption, this_run,
+                         write_preempted)
 from .recipe import BASE_LR, did_not_learn, make_model, one_cycle, per_process_batch
 from .restarts import shorten_timeouts
 from .settings import parse_args
@@ -271,8 +272,9 @@ def resume_or_start(args, job: Job, data: Data, model: nn.Module, optimizer,
              if args.resume else None)
     if state is not None and data.loader == "webdataset":
         check_resume(state, data.steps_per_epoch, training.path)  # on every rank
-    if job.master and os.path.exists(os.path.join(args.out, PREEMPTED)):
-        os.remove(os.path.join(args.out, PREEMPTED))  # this run goes on from it
+    for name in (PREEMPTED, DONE):  # this run goes on from it / is not done yet
+        if job.master and os.path.exists(os.path.join(args.out, name)):
+            os.remove(os.path.join(args.out, name))
     if args.resume and state is None and job.master:
         print(f"--resume: rank 0 found no checkpoint at {training.path}; "
               f"starting from step 0", flush=True)
@@ -597,6 +599,11 @@ def finish(args, job: Job, training: Training, metrics) -> None:
             final = {k: v.cpu().contiguous()
                      for k, v in training.model.state_dict().items()}
             save_checkpoint(os.path.join(args.out, "model_final.pt"), final)
+            # what "done" means to a job script: this run wrote model_final.pt (one
+            # left from an earlier run in the same OUT does not say so)
+            record = {"step": training.step, "epoch": training.epoch, **this_run()}
+            write_atomically(os.path.join(args.out, DONE),
+                             lambda f: f.write(json.dumps(record).encode()))
     if job.ddp:
         dist.destroy_process_group()
 
