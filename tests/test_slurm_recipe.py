@@ -5,8 +5,8 @@ process on the CPU (GPUS_PER_NODE=1, --device cpu, gloo), with DataLoader worker
 first, as on a login node.
 
 Where Slurm cannot run (not Linux, not root, slurm-wlm not installed) these tests skip with the reason;
-with CI=true they fail instead. The cluster starts a requeued job at once (``release``) instead of
-after Slurm's 120 s hold."""
+with CI=true they fail instead. The cluster holds a requeued job 11 s before it may start again, not
+Slurm's default 121 s (utils.slurm_cluster.CRED_EXPIRE)."""
 
 import json
 import os
@@ -17,12 +17,11 @@ from pathlib import Path
 import pytest
 
 from utils import hangs, slurm_cluster
-from utils.slurm_cluster import NODES, Cluster
+from utils.slurm_cluster import ENDED, NODES, Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "examples" / "slurm" / "train_cifar10.sbatch"
 TIMEOUT = 240
-ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 # 640 training images, a global batch of 64: 10 steps an epoch
 TRAIN_ARGS = "--device cpu --global-batch 64 --workers 2 --loader workers --checkpoint-every 5"
 EPOCHS = "6"
@@ -86,10 +85,9 @@ def ended(cluster, job, restarts="0", timeout=TIMEOUT, states=None):
 
 
 def requeued(cluster, job, restarts, states=None):
-    """Wait until the job is back in the queue after requeue number ``restarts``, and start it."""
+    """Wait until the job is back in the queue after requeue number ``restarts``."""
     cluster.wait(job, lambda j: j.get("Restarts") == str(restarts) and j.get("JobState") == "PENDING",
                  TIMEOUT, states)
-    cluster.release(job)
 
 
 def batch_log(tmp_path, job):
@@ -246,3 +244,126 @@ def test_a_refused_run_with_an_earlier_jobs_final_weights_in_out_fails(cluster, 
     assert ended(cluster, job)["JobState"] == "FAILED"
     log = batch_log(tmp_path, job)
     assert "error: training failed" in log and "done:" not in log, log
+
+
+# The job's training module. In the job's first run (SLURM_RESTART_COUNT 0) each step takes a second
+# longer (a slow GPU, say), so that Slurm's warning lands mid-run. In its second, rank 1 raises in its
+# first step, in its node's first attempt (a CUDA out-of-memory error, say), with its DataLoader workers
+# running: torchrun restarts the ranks, which resume.
+SLOW_THEN_FAULTY = """
+import os, time
+import utils.train_cifar10 as train
+
+step = train.train_step
+
+def train_step(args, job, training, model, x, y):
+    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+    if restart == "0":
+        time.sleep(float(os.environ.get("SLOW_STEP", "1")))
+    elif (restart == "1" and job.rank == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
+        raise RuntimeError("rank 1 fails in its first step after the requeue")
+    return step(args, job, training, model, x, y)
+
+if __name__ == "__main__":
+    train.train_step = train_step
+    train.run()
+"""
+
+
+def slow_job_env(cluster, tmp_path, data, **variables):
+    (tmp_path / "slow_then_faulty.py").write_text(SLOW_THEN_FAULTY)
+    return job_env(cluster, tmp_path, data, TRAIN_MODULE="slow_then_faulty", **variables)
+
+
+def checkpoint_step(out):
+    import torch
+
+    return torch.load(out / "checkpoint.pt", weights_only=True)["step"]
+
+
+def test_warned_by_slurms_time_limit_signal_the_job_saves_requeues_itself_and_ends_as_an_uninterrupted_one(
+        cluster, staged, uninterrupted, tmp_path):
+    """--time=2 --signal=B:USR1@60: Slurm warns the batch script about a minute before the limit; the
+    script has Slurm send SIGTERM to every process of the training step, every rank stops after one
+    agreed step with one checkpoint, and the script requeues the job. Requeued, rank 1 raises in its
+    first step with its workers running (on main the rank never exited, and the job hung until its time
+    limit); torchrun restarts the ranks, they resume, and the job ends with the weights of the job that
+    was never stopped."""
+    env = slow_job_env(cluster, tmp_path, staged, SLOW_STEP="2")
+    job = submit(cluster, tmp_path, env, "--time=2", "--signal=B:USR1@60")
+    states = []
+    requeued(cluster, job, 1, states)
+    log = batch_log(tmp_path, job)
+    assert "SIGUSR1 (the time limit is near)" in log and "requeueing job" in log, log
+    node1 = node_log(tmp_path, job, "node1")
+    stopped = checkpoint_step(tmp_path / "out")
+    assert f"SIGTERM: every rank stopped after step {stopped}" in node1, node1
+    assert stopped % 10 == 0 and 0 < stopped < 10 * int(EPOCHS)
+    record = ended(cluster, job, restarts="1", states=states)
+    log = batch_log(tmp_path, job)
+    assert record["JobState"] == "COMPLETED", log
+    assert f"job {job} (restart 1)" in log and "done:" in log
+    node1 = node_log(tmp_path, job, "node1")
+    assert "RuntimeError: rank 1 fails in its first step after the requeue" in node_log(tmp_path, job, "node2")
+    assert f"resumed from {tmp_path / 'out' / 'checkpoint.pt'}: epoch {stopped // 10 + 1}, step 0" in node1
+    assert same_weights(final_weights(tmp_path / "out"), uninterrupted[2])
+    assert [s for s, _ in states][-1] == "COMPLETED" and ("PENDING", "1") in states
+
+
+def test_scancel_ends_the_job_without_a_requeue(cluster, staged, tmp_path):
+    """scancel (as a time limit or a preemption without a grace time) sends SIGTERM to the batch script
+    and to every process of the job; a job script that requeued then would undo a scancel."""
+    job = submit(cluster, tmp_path, slow_job_env(cluster, tmp_path, staged))
+    out = tmp_path / "out"
+    cluster.wait(job, lambda j: (out / "checkpoint.pt").exists(), TIMEOUT)
+    cluster.command(["scancel", job])
+    assert ended(cluster, job)["JobState"] == "CANCELLED"
+    time.sleep(2)
+    log = batch_log(tmp_path, job)
+    assert "SIGTERM from Slurm" in log and "requeueing" not in log, log
+    assert cluster.job(job).get("Restarts") == "0"
+
+
+def test_a_preempted_job_saves_in_its_grace_time_and_slurm_requeues_it(cluster, staged, uninterrupted,
+                                                                       tmp_path):
+    """A job of partition low, preempted by one of partition high (PreemptMode=REQUEUE, GraceTime=20):
+    Slurm sends SIGTERM to the job, waits the grace time, then requeues it. The ranks stop after an
+    agreed step and save; requeued, the job resumes and ends as one that was never stopped."""
+    job = submit(cluster, tmp_path, slow_job_env(cluster, tmp_path, staged), "--partition=low")
+    out = tmp_path / "out"
+    states = []
+    cluster.wait(job, lambda j: (out / "checkpoint.pt").exists(), TIMEOUT, states)
+    high = cluster.sbatch(["--partition=high", "--nodes=2", "--exclusive", "--output", str(tmp_path / "high.out"),
+                           "--wrap", "sleep 1"])
+    requeued(cluster, job, 1, states)
+    log = batch_log(tmp_path, job)
+    node1 = node_log(tmp_path, job, "node1")
+    assert ended(cluster, high)["JobState"] == "COMPLETED"
+    record = ended(cluster, job, restarts="1", states=states)
+    assert record["JobState"] == "COMPLETED", batch_log(tmp_path, job)
+    assert "every rank stopped after step" in node1, log + node1
+    assert same_weights(final_weights(out), uninterrupted[2])
+
+
+# stopped before its first checkpoint, every time: preempted.json of this run, no checkpoint, exit 75
+PREEMPTED_AT_ONCE = """
+import json, os, sys
+out = sys.argv[sys.argv.index("--out") + 1]
+if os.environ["RANK"] == "0":
+    with open(os.path.join(out, "preempted.json"), "w") as f:
+        json.dump({"step": 0, "signal": "SIGTERM", "slurm_job_id": os.environ["SLURM_JOB_ID"],
+                   "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", 0))}, f)
+sys.exit(75)
+"""
+
+
+def test_requeues_without_progress_are_capped(cluster, staged, tmp_path):
+    """MAX_REQUEUES=1: requeued once; stopped again with no checkpoint further on, not requeued."""
+    (tmp_path / "preempted_at_once.py").write_text(PREEMPTED_AT_ONCE)
+    env = job_env(cluster, tmp_path, staged, MAX_REQUEUES="1", MAX_RESTARTS="0", TRAIN_MODULE="preempted_at_once")
+    job = submit(cluster, tmp_path, env)
+    requeued(cluster, job, 1)
+    assert ended(cluster, job, restarts="1")["JobState"] == "FAILED"
+    log = batch_log(tmp_path, job)
+    assert "requeueing job" in log
+    assert "not requeued: the last 1 requeue(s) made no progress" in log, log

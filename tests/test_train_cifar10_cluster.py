@@ -122,7 +122,7 @@ def test_the_last_k_checkpoints_are_kept(tmp_path):
     names = sorted(os.listdir(out))
     # saves at steps 2, 4, 6 and 8 (the epoch's end): the newest, and the 2 before it
     assert names == ["checkpoint-step4.pt", "checkpoint-step6.pt", "checkpoint.pt",
-                     "metrics.jsonl", "model_final.pt"]
+                     "done.json", "metrics.jsonl", "model_final.pt"]
     for name, step in [("checkpoint-step4.pt", 4), ("checkpoint-step6.pt", 6),
                        ("checkpoint.pt", 8)]:
         assert torch.load(out / name, weights_only=True)["step"] == step
@@ -174,18 +174,42 @@ def test_setting_a_name_on_the_package_reaches_the_modules_that_use_it_and_undo_
     import time
 
     steps, preemption = sys.modules["utils.train_cifar10.steps"], sys.modules["utils.train_cifar10.preemption"]
-    step, load, every = steps.train_step, steps.load_cifar10, steps.STOP_CHECK_EVERY
+    step, load, every = steps.train_step, steps.load_cifar10, steps.PREEMPTED
     with monkeypatch.context() as patch:
         patch.setattr(train, "train_step", "wrapped")      # defined in steps, re-exported
         patch.setattr(train, "write_atomically", "atomic")  # defined in checkpoints, used by preemption
         patch.setattr(train, "load_cifar10", "loader")      # only imported by steps (from utils.data)
         patch.setattr(train, "time", "clock")              # a module the modules import
-        patch.setattr(train, "STOP_CHECK_EVERY", 2)
+        patch.setattr(train, "PREEMPTED", "other.json")
         assert (steps.train_step, preemption.write_atomically, steps.load_cifar10) == ("wrapped", "atomic",
                                                                                        "loader")
         assert preemption.time == sys.modules["utils.train_cifar10.restarts"].time == "clock"
-        assert steps.STOP_CHECK_EVERY == preemption.STOP_CHECK_EVERY == 2
-    assert (steps.train_step, steps.load_cifar10, steps.STOP_CHECK_EVERY) == (step, load, every)
+        assert steps.PREEMPTED == preemption.PREEMPTED == "other.json"
+    assert (steps.train_step, steps.load_cifar10, steps.PREEMPTED) == (step, load, every)
     assert preemption.time is time and preemption.write_atomically is train.write_atomically
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         train.no_such_name
+
+
+@pytest.mark.parametrize("check_seconds, step_seconds, checks", [
+    # fast steps: every 10 steps, on multiples of 10 (what the chapters' outputs show)
+    (10.0, [0.1] * 30, [10, 20, 30]),
+    # 1 s steps with 3 s to stop in: every 3 steps once the first 10 have shown it; then fast again
+    (3.0, [1.0] * 20 + [0.1] * 20, [10, 13, 16, 19, 22, 29, 39]),
+])
+def test_the_ranks_agree_on_a_stop_more_often_where_ten_steps_take_longer_than_stop_check_seconds(
+        monkeypatch, check_seconds, step_seconds, checks):
+    """On main the ranks agreed every 10 steps whatever a step took: ten slow steps could outlast the
+    shutdown budget that a scheduler gives after its signal."""
+    from types import SimpleNamespace
+
+    preemption = sys.modules["utils.train_cifar10.preemption"]
+    clock = [0.0]
+    monkeypatch.setattr(preemption.time, "monotonic", lambda: clock[0])
+    stop, job, seen = train.Preemption(check_seconds), SimpleNamespace(ddp=False), []
+    for step, seconds in enumerate(step_seconds, start=1):
+        clock[0] += seconds
+        if stop.due(step):
+            stop.agreed(job, step)
+            seen.append(step)
+    assert seen == checks

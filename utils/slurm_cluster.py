@@ -20,10 +20,12 @@ root from a generated ``slurm.conf`` in a temporary folder, and stopped again.
   a job in ``high`` preempts one in ``low`` (``preempt/partition_prio``,
   ``PreemptMode=REQUEUE``, ``GraceTime``: SIGTERM to the job's steps, then the
   requeue ``GRACE_TIME`` seconds later).
-- Slurm keeps a requeued job pending for ``cred_expire`` (120 s by default) before it
-  may start again: ``release`` starts it at once (``scontrol update StartTime=now``),
-  so the tests do not wait it out. Nothing else differs from Slurm's defaults but
-  the short ``KillWait`` (``KILL_WAIT``) and the plugins that need no cgroups
+- Slurm keeps a requeued job pending until its last run's credential, which it revoked,
+  has expired: ``cred_expire`` seconds (120 by default; ``scontrol update
+  StartTime=now`` does not help: the job is allocated, then killed as "non-startable:
+  Job credential revoked"). Here ``CRED_EXPIRE`` (10 s, Slurm's minimum is 5), so the
+  tests wait 11 s instead of 121. Nothing else differs from Slurm's defaults but the
+  short ``KillWait`` (``KILL_WAIT``) and the plugins that need no cgroups
   (``proctrack/linuxproc``, ``task/none``).
 
 ``unavailable()`` says why a cluster cannot run here (not Linux, not root, no Slurm).
@@ -53,6 +55,7 @@ LOOPBACK_NAME_ADDR = "127.0.1.1"  # what Debian's /etc/hosts gives the host's ow
 INTERFACE = "slurm0"  # each node's interface on the bridge (SOCKET_IFNAME)
 GRACE_TIME = 20  # seconds a preempted job of partition ``low`` gets before the requeue
 KILL_WAIT = 10  # seconds between Slurm's SIGTERM and its SIGKILL (default 30)
+CRED_EXPIRE = 10  # seconds a requeued job waits before it may start (default 120)
 # per node, as slurm.conf declares them (the recipe's header asks for 64 CPUs and 8
 # GPUs a node): slurmd takes them as given (config_overrides), whatever the machine
 # has, and the GPUs are counts (``_gres``)
@@ -61,6 +64,9 @@ GPUS = 8
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel",
             "sinfo", "squeue", "ip", "unshare", "nsenter")
 START_SECONDS = 60
+# a job in one of these states has ended (unless it is requeued)
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+         "BOOT_FAIL", "DEADLINE")
 
 
 def unavailable() -> str | None:
@@ -250,7 +256,7 @@ class Cluster:
             "MailProg=/bin/true",
             f"SlurmctldPort={free_port()}",
             "SlurmUser=root", "SlurmdUser=root",
-            f"AuthInfo=socket={self.munge_socket}",
+            f"AuthInfo=socket={self.munge_socket},cred_expire={CRED_EXPIRE}",
             f"StateSaveLocation={state}",
             f"SlurmdSpoolDir={self.folder / 'spool' / '%n'}",
             f"SlurmctldPidFile={self.folder / 'slurmctld.pid'}",
@@ -366,6 +372,7 @@ class Cluster:
             wanted = (until,) if isinstance(until, str) else tuple(until)
             until = lambda job: job.get("JobState") in wanted  # noqa: E731
         deadline = time.monotonic() + timeout
+        ended_at = 0.0  # when the job was first seen ended (it may be requeued still)
         while True:
             found = self.job(job_id)
             if states is not None and found and (not states or states[-1] != (
@@ -373,14 +380,14 @@ class Cluster:
                 states.append((found.get("JobState"), found.get("Restarts")))
             if until(found):
                 return found
+            if found.get("JobState") not in ENDED:
+                ended_at = 0.0
+            elif not ended_at:
+                ended_at = time.monotonic()
+            elif time.monotonic() > ended_at + 5:  # ended, and not requeued
+                raise SlurmError(f"job {job_id} ended ({found.get('JobState')}, "
+                                 f"{found.get('Reason')}) before what was waited for")
             if time.monotonic() > deadline:
                 raise SlurmError(f"job {job_id}: still {found.get('JobState')} "
                                  f"({found.get('Reason')}) after {timeout} s")
             time.sleep(poll)
-
-    def release(self, job_id: str, timeout: float = 120) -> dict:
-        """A requeued job, pending until its begin time, started at once."""
-        found = self.wait(job_id, lambda job: job.get("JobState") == "PENDING"
-                          and job.get("Reason") == "BeginTime", timeout)
-        self.command(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
-        return found

@@ -36,8 +36,10 @@ EXIT_PREEMPTED = 75
 # steps between two agreements on the stop flag: each is a blocking all-reduce between
 # the ranks' hosts (a round trip between them, longer across nodes), which every
 # step would pay; a signal stops the run at most this many steps later (and after an
-# epoch's last step at the latest)
+# epoch's last step at the latest), and at most ``--stop-check-seconds`` later where
+# that many steps take longer (``Preemption.due``)
 STOP_CHECK_EVERY = 10
+STOP_CHECK_SECONDS = 10.0
 
 
 class Preemption:
@@ -56,10 +58,13 @@ class Preemption:
     so that a SIGTERM that torchrun's agent sends once the first rank has exited does
     not kill the others before they exit with ``EXIT_PREEMPTED`` too."""
 
-    def __init__(self):
+    def __init__(self, check_seconds: float = STOP_CHECK_SECONDS):
         self.signal = 0
+        self.check_seconds = check_seconds
         self._first_sigint = None
         self._previous = {}
+        self._last = None  # (step, time) of the last scheduled agreement
+        self._next = 0  # the step of the next one
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -82,13 +87,31 @@ class Preemption:
                 raise KeyboardInterrupt  # Ctrl-C again: no wait for the agreed step
         self.signal = self.signal or signum
 
-    def agreed(self, job) -> int:
-        """The signal any rank has received (0 if none), the same on every rank."""
-        if not job.ddp:
-            return self.signal
-        flag = torch.tensor([self.signal], dtype=torch.int64)  # on the CPU: gloo
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=job.control)
-        return int(flag)
+    def due(self, step: int) -> bool:
+        """Whether the ranks agree on the flag after ``step`` (the steps done): every
+        ``STOP_CHECK_EVERY`` steps (multiples of it), or every k < ``STOP_CHECK_EVERY``
+        where that many steps of the slowest rank took longer than
+        ``check_seconds``. Every rank learns the slowest rank's time in the agreement
+        (``agreed``), so all keep the same schedule."""
+        if self._last is None:  # this process's first step (a resume starts anywhere)
+            self._last = (step - 1, time.monotonic())
+            self._next = (step - 1) // STOP_CHECK_EVERY * STOP_CHECK_EVERY
+            self._next += STOP_CHECK_EVERY
+        return step >= self._next
+
+    def agreed(self, job, step: int | None = None) -> int:
+        """The signal any rank has received (0 if none), the same on every rank; with
+        ``step``, a scheduled agreement (``due``), which sets the next one."""
+        elapsed = time.monotonic() - self._last[1] if self._last else 0.0
+        flag = torch.tensor([self.signal, int(elapsed * 1000)], dtype=torch.int64)
+        if job.ddp:  # on the CPU: gloo
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=job.control)
+        if step is not None:
+            slowest_ms = max(int(flag[1]), 1)
+            fit = int(self.check_seconds * 1000 * (step - self._last[0]) // slowest_ms)
+            self._next = step + max(1, min(STOP_CHECK_EVERY, fit))
+            self._last = (step, time.monotonic())
+        return int(flag[0])
 
 
 def refuse_restart_after_preemption(args, job: Job) -> None:

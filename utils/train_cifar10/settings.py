@@ -107,6 +107,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-at-step", type=int, default=-1,
                    help="stop after this step with a checkpoint, as a job whose time "
                         "is up (resume with --resume)")
+    p.add_argument("--stop-check-seconds", type=float, default=10.0,
+                   metavar="SECONDS",
+                   help="after a signal, stop within about this long (and within 10 "
+                        "steps): the ranks agree on a stop more often than every 10 "
+                        "steps where 10 steps take longer (default 10; the SLURM recipe "
+                        "gives a third of its shutdown budget)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (logs only)")
     p.add_argument("--init-timeout", type=float, default=1800, metavar="SECONDS",
@@ -133,7 +139,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.lr_from_rule = args.lr is None
     if args.lr_from_rule:
         args.lr = linear_rule_lr(args.model, args.global_batch)
-    for name in ("lr", "init_timeout", "step_timeout"):
+    for name in ("lr", "init_timeout", "step_timeout", "stop_check_seconds"):
         if not getattr(args, name) > 0:
             p.error(f"--{name.replace('_', '-')} must be positive, "
                     f"got {getattr(args, name)}")

@@ -36,9 +36,8 @@ from .launcher import check_compile, setup_distributed
 from .loaders import (agreed_free_memory, batch_dtype, choose_loader, eval_workers,
                       make_train_loader, shield_worker, worker_start)
 from .per_node import agree_on_resume, check_same_data, prepare_data
-from .preemption import (DONE, EXIT_PREEMPTED, PREEMPTED, STOP_CHECK_EVERY,
-                         Preemption, refuse_restart_after_preemption, this_run,
-                         write_preempted)
+from .preemption import (DONE, EXIT_PREEMPTED, PREEMPTED, Preemption,
+                         refuse_restart_after_preemption, this_run, write_preempted)
 from .recipe import BASE_LR, did_not_learn, make_model, one_cycle, per_process_batch
 from .restarts import shorten_timeouts
 from .settings import parse_args
@@ -53,7 +52,8 @@ def main(argv=None) -> None:
         return
     if args.deterministic:
         use_deterministic_algorithms()
-    with Preemption() as preemption:  # SIGTERM, SIGUSR1, SIGINT: an agreed stop
+    # SIGTERM, SIGUSR1, SIGINT: an agreed stop
+    with Preemption(args.stop_check_seconds) as preemption:
         job = set_up_job(args)
         job.preemption = preemption
         data = build_data(args, job)
@@ -489,8 +489,9 @@ def train_epoch(args, job: Job, data: Data, training: Training, model: nn.Module
         if (args.checkpoint_every and training.step % args.checkpoint_every == 0
                 and training.step_in_epoch < data.steps_per_epoch):
             save(args, training, job)
-        if job.preemption and (training.step % STOP_CHECK_EVERY == 0
-                               or training.step_in_epoch == data.steps_per_epoch):
+        if job.preemption and job.preemption.due(training.step):
+            training.stop_signal = job.preemption.agreed(job, training.step)
+        elif job.preemption and training.step_in_epoch == data.steps_per_epoch:
             training.stop_signal = job.preemption.agreed(job)
         if training.step == args.stop_at_step or training.stop_signal:
             break
