@@ -10,21 +10,15 @@ Slurm's default 121 s (utils.slurm_cluster.CRED_EXPIRE)."""
 
 import json
 import os
-import sys
+import shutil
 import time
-from pathlib import Path
 
 import pytest
 
-from utils import hangs, slurm_cluster
-from utils.slurm_cluster import ENDED, NODES, Cluster
-
-ROOT = Path(__file__).resolve().parents[1]
-SBATCH = ROOT / "examples" / "slurm" / "train_cifar10.sbatch"
-TIMEOUT = 240
-# 640 training images, a global batch of 64: 10 steps an epoch
-TRAIN_ARGS = "--device cpu --global-batch 64 --workers 2 --loader workers --checkpoint-every 5"
-EPOCHS = "6"
+from utils import slurm_cluster
+from utils.slurm_cluster import NODES, Cluster
+from utils.slurm_job import (EPOCHS, TIMEOUT, batch_log, ended, final_weights, job_env, node_log, requeued,
+                             same_weights, slow_job_env, stage, submit, uninterrupted_job, warned_job)
 
 # one cluster for the module, and its jobs start torchruns and ranks
 pytestmark = pytest.mark.xdist_group("ranks")
@@ -37,8 +31,7 @@ def cluster(tmp_path_factory):
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI=true, and no Slurm here: {reason}")
         pytest.skip(reason)
-    folder = tmp_path_factory.mktemp("cluster")
-    cluster = Cluster(folder)
+    cluster = Cluster(tmp_path_factory.mktemp("cluster"))
     try:
         cluster.start()
     except slurm_cluster.SlurmError as error:
@@ -52,62 +45,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def staged(tmp_path_factory):
-    """What the recipe asks for before submitting: the data staged by one process."""
-    data = tmp_path_factory.mktemp("staged")
-    done = hangs.run([sys.executable, "-m", "utils.train_cifar10", "--prepare-only", "--synthetic",
-                      "--synthetic-size", "640", "64", "--data", str(data)], cwd=ROOT, timeout=TIMEOUT)
-    assert done.returncode == 0, done.stderr
-    return data
-
-
-def job_env(cluster, tmp_path, data, **variables):
-    """The submitting shell's environment (sbatch hands it to the job): the recipe's variables for one
-    process per node on the CPU, the nodes' interface on the bridge (or LOOPBACK_OK where both nodes
-    are this machine's loopback)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
-    env.update(DATA=str(data), OUT=str(tmp_path / "out"), GPUS_PER_NODE="1", EPOCHS=EPOCHS,
-               TRAIN_ARGS=TRAIN_ARGS, PYTHON=sys.executable, OMP_NUM_THREADS="1",
-               PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
-    env.update({"SOCKET_IFNAME": slurm_cluster.INTERFACE} if cluster.namespaces else {"LOOPBACK_OK": "1"})
-    env.update(variables)
-    return {k: v for k, v in env.items() if v is not None}
-
-
-def submit(cluster, tmp_path, env, *options):
-    """sbatch from the repository's root, as the recipe's header says; the job id."""
-    return cluster.sbatch(["--output", f"{tmp_path}/%x-%j.out", *options, str(SBATCH)], env=env, cwd=ROOT)
-
-
-def ended(cluster, job, restarts="0", timeout=TIMEOUT, states=None):
-    """The job's record once it has ended (in run ``restarts``)."""
-    return cluster.wait(job, lambda j: j.get("JobState") in ENDED and j.get("Restarts") == restarts,
-                        timeout, states)
-
-
-def requeued(cluster, job, restarts, states=None):
-    """Wait until the job is back in the queue after requeue number ``restarts``."""
-    cluster.wait(job, lambda j: j.get("Restarts") == str(restarts) and j.get("JobState") == "PENDING",
-                 TIMEOUT, states)
-
-
-def batch_log(tmp_path, job):
-    return (tmp_path / f"cifar10-{job}.out").read_text()
-
-
-def node_log(tmp_path, job, node):
-    return (tmp_path / "out" / "logs" / f"cifar10-{job}-{node}.out").read_text()
-
-
-def final_weights(out):
-    import torch
-
-    return torch.load(out / "model_final.pt", weights_only=True)
-
-
-def same_weights(a, b):
-    import torch
-
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return stage(tmp_path_factory.mktemp("staged"))
 
 
 # --- the script's own checks, before anything trains ------------------------------------------------
@@ -207,11 +145,9 @@ def test_workers_and_global_batch_given_are_kept(cluster, tmp_path):
 @pytest.fixture(scope="module")
 def uninterrupted(cluster, staged, tmp_path_factory):
     """A job that runs to its end: (folder, job id, its final weights)."""
-    tmp_path = tmp_path_factory.mktemp("uninterrupted")
-    job = submit(cluster, tmp_path, job_env(cluster, tmp_path, staged))
-    record = ended(cluster, job)
-    assert record["JobState"] == "COMPLETED", batch_log(tmp_path, job)
-    return tmp_path, job, final_weights(tmp_path / "out")
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    job = uninterrupted_job(cluster, folder, staged)
+    return folder, job, final_weights(folder / "out")
 
 
 def test_a_job_runs_to_its_end_on_two_nodes_at_their_own_addresses(cluster, uninterrupted):
@@ -235,8 +171,6 @@ def test_a_refused_run_with_an_earlier_jobs_final_weights_in_out_fails(cluster, 
     """OUT holds model_final.pt and done.json of an earlier job (the default OUT is a fixed folder); this
     job's ranks refuse its global batch (63 does not split over 2 processes): the job fails. On main it
     printed "done:" and exited 0."""
-    import shutil
-
     shutil.copytree(uninterrupted[0] / "out", tmp_path / "out")
     env = job_env(cluster, tmp_path, staged, MAX_RESTARTS="0",
                   TRAIN_ARGS="--device cpu --global-batch 63 --workers 0")
@@ -246,41 +180,6 @@ def test_a_refused_run_with_an_earlier_jobs_final_weights_in_out_fails(cluster, 
     assert "error: training failed" in log and "done:" not in log, log
 
 
-# The job's training module. In the job's first run (SLURM_RESTART_COUNT 0) each step takes a second
-# longer (a slow GPU, say), so that Slurm's warning lands mid-run. In its second, rank 1 raises in its
-# first step, in its node's first attempt (a CUDA out-of-memory error, say), with its DataLoader workers
-# running: torchrun restarts the ranks, which resume.
-SLOW_THEN_FAULTY = """
-import os, time
-import utils.train_cifar10 as train
-
-step = train.train_step
-
-def train_step(args, job, training, model, x, y):
-    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
-    if restart == "0":
-        time.sleep(float(os.environ.get("SLOW_STEP", "1")))
-    elif (restart == "1" and job.rank == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
-        raise RuntimeError("rank 1 fails in its first step after the requeue")
-    return step(args, job, training, model, x, y)
-
-if __name__ == "__main__":
-    train.train_step = train_step
-    train.run()
-"""
-
-
-def slow_job_env(cluster, tmp_path, data, **variables):
-    (tmp_path / "slow_then_faulty.py").write_text(SLOW_THEN_FAULTY)
-    return job_env(cluster, tmp_path, data, TRAIN_MODULE="slow_then_faulty", **variables)
-
-
-def checkpoint_step(out):
-    import torch
-
-    return torch.load(out / "checkpoint.pt", weights_only=True)["step"]
-
-
 def test_warned_by_slurms_time_limit_signal_the_job_saves_requeues_itself_and_ends_as_an_uninterrupted_one(
         cluster, staged, uninterrupted, tmp_path):
     """--time=2 --signal=B:USR1@60: Slurm warns the batch script about a minute before the limit; the
@@ -288,26 +187,22 @@ def test_warned_by_slurms_time_limit_signal_the_job_saves_requeues_itself_and_en
     agreed step with one checkpoint, and the script requeues the job. Requeued, rank 1 raises in its
     first step with its workers running (on main the rank never exited, and the job hung until its time
     limit); torchrun restarts the ranks, they resume, and the job ends with the weights of the job that
-    was never stopped."""
-    env = slow_job_env(cluster, tmp_path, staged, SLOW_STEP="2")
-    job = submit(cluster, tmp_path, env, "--time=2", "--signal=B:USR1@60")
-    states = []
-    requeued(cluster, job, 1, states)
-    log = batch_log(tmp_path, job)
-    assert "SIGUSR1 (the time limit is near)" in log and "requeueing job" in log, log
-    node1 = node_log(tmp_path, job, "node1")
-    stopped = checkpoint_step(tmp_path / "out")
-    assert f"SIGTERM: every rank stopped after step {stopped}" in node1, node1
-    assert stopped % 10 == 0 and 0 < stopped < 10 * int(EPOCHS)
-    record = ended(cluster, job, restarts="1", states=states)
-    log = batch_log(tmp_path, job)
-    assert record["JobState"] == "COMPLETED", log
-    assert f"job {job} (restart 1)" in log and "done:" in log
-    node1 = node_log(tmp_path, job, "node1")
-    assert "RuntimeError: rank 1 fails in its first step after the requeue" in node_log(tmp_path, job, "node2")
-    assert f"resumed from {tmp_path / 'out' / 'checkpoint.pt'}: epoch {stopped // 10 + 1}, step 0" in node1
-    assert same_weights(final_weights(tmp_path / "out"), uninterrupted[2])
-    assert [s for s, _ in states][-1] == "COMPLETED" and ("PENDING", "1") in states
+    was never stopped. What utils.slurm_job records for chapter 12."""
+    record = warned_job(cluster, tmp_path, staged, uninterrupted[0] / "out")
+    log = "\n".join(record["batch_log"])
+    assert record["state"] == "COMPLETED", log
+    assert "SIGUSR1 (the time limit is near)" in log and "requeueing job <job>" in log, log
+    assert "job <job> (restart 1)" in log and "done:" in log
+    stopped = record["stopped_step"]
+    assert stopped % 10 == 0 and 0 < stopped < 10 * EPOCHS, record["node1"]
+    # warned about a minute before the limit (Slurm checks its timers every 30 s or so)
+    assert 20 <= record["warned_after_s"] <= record["limit_s"] - 30, record
+    assert "RuntimeError: rank 1 fails in its first step after the requeue" in "\n".join(record["node2"])
+    assert (f"resumed from <work>/out/checkpoint.pt: epoch {stopped // 10 + 1}, step 0 of the epoch "
+            f"({stopped} in all)") in "\n".join(record["node1"])
+    assert record["same_weights_as_uninterrupted"]
+    states = [(state, restarts) for _, state, restarts, _ in record["timeline"]]
+    assert states[-1] == ("COMPLETED", 1) and ("PENDING", 1) in states and ("RUNNING", 0) in states
 
 
 def test_scancel_ends_the_job_without_a_requeue(cluster, staged, tmp_path):
@@ -339,7 +234,7 @@ def test_a_preempted_job_saves_in_its_grace_time_and_slurm_requeues_it(cluster, 
     log = batch_log(tmp_path, job)
     node1 = node_log(tmp_path, job, "node1")
     assert ended(cluster, high)["JobState"] == "COMPLETED"
-    record = ended(cluster, job, restarts="1", states=states)
+    record = ended(cluster, job, restarts=1, states=states)
     assert record["JobState"] == "COMPLETED", batch_log(tmp_path, job)
     assert "every rank stopped after step" in node1, log + node1
     assert same_weights(final_weights(out), uninterrupted[2])
@@ -363,7 +258,7 @@ def test_requeues_without_progress_are_capped(cluster, staged, tmp_path):
     env = job_env(cluster, tmp_path, staged, MAX_REQUEUES="1", MAX_RESTARTS="0", TRAIN_MODULE="preempted_at_once")
     job = submit(cluster, tmp_path, env)
     requeued(cluster, job, 1)
-    assert ended(cluster, job, restarts="1")["JobState"] == "FAILED"
+    assert ended(cluster, job, restarts=1)["JobState"] == "FAILED"
     log = batch_log(tmp_path, job)
     assert "requeueing job" in log
     assert "not requeued: the last 1 requeue(s) made no progress" in log, log

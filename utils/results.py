@@ -31,8 +31,9 @@ def source_hash(source: str, root: str = ROOT, text: str | None = None) -> str |
     """SHA-256, as hex, of the code of ``source``: a file (``utils/gpu_loader.py``), or
     one top-level function, class or assignment in it (``utils/bench.py::bench_ddp``),
     where a file holds several benchmarks; its syntax tree without docstrings, so that
-    rewording or rewrapping is no change. ``None``: no such file or name. ``text``: the
-    file's text, if not read from ``root``."""
+    rewording or rewrapping is no change (a file that is not Python: its text).
+    ``None``: no such file or name. ``text``: the file's text, if not read from
+    ``root``."""
     relative, _, name = source.partition("::")
     if text is None:
         try:
@@ -40,6 +41,8 @@ def source_hash(source: str, root: str = ROOT, text: str | None = None) -> str |
                 text = f.read()
         except FileNotFoundError:
             return None
+    if not relative.endswith(".py"):  # a shell script, say: its whole text
+        return hashlib.sha256(text.encode()).hexdigest()
     tree = ast.parse(text)
     if name:
         tree = _definition(tree, name)

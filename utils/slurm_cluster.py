@@ -77,8 +77,8 @@ def unavailable() -> str | None:
         return "starting Slurm's daemons and network namespaces needs root"
     missing = [name for name in PROGRAMS if shutil.which(name) is None]
     if missing:
-        return (f"no {', '.join(missing)} on PATH: install Debian's slurm-wlm and munge "
-                "(apt-get install slurm-wlm munge), as .ci/run does")
+        return (f"no {', '.join(missing)} on PATH: install Debian's slurm-wlm and "
+                "munge (apt-get install slurm-wlm munge), as .ci/run does")
     return None
 
 
@@ -123,7 +123,8 @@ class Cluster:
             self._munge()
             self.conf.write_text(self.slurm_conf())
             self._gres()
-            self._daemon("slurmctld", ["slurmctld", "-D", "-c", "-i", "-f", str(self.conf)])
+            self._daemon("slurmctld", ["slurmctld", "-D", "-c", "-i", "-f",
+                                       str(self.conf)])
             for node in NODES:
                 self._daemon(node, self.on_node(node, [
                     "slurmd", "-D", "-N", node, "-f", str(self.conf)]))

@@ -111,8 +111,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="SECONDS",
                    help="after a signal, stop within about this long (and within 10 "
                         "steps): the ranks agree on a stop more often than every 10 "
-                        "steps where 10 steps take longer (default 10; the SLURM recipe "
-                        "gives a third of its shutdown budget)")
+                        "steps where 10 steps take longer (default 10; the SLURM "
+                        "recipe gives a third of its shutdown budget)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (logs only)")
     p.add_argument("--init-timeout", type=float, default=1800, metavar="SECONDS",
