@@ -23,8 +23,8 @@ root from a generated ``slurm.conf`` in a temporary folder, and stopped again.
 - Slurm keeps a requeued job pending until its last run's credential, which it revoked,
   has expired: ``cred_expire`` seconds (120 by default; ``scontrol update
   StartTime=now`` does not help: the job is allocated, then killed as "non-startable:
-  Job credential revoked"). Here ``CRED_EXPIRE`` (10 s, Slurm's minimum is 5), so the
-  tests wait 11 s instead of 121. Nothing else differs from Slurm's defaults but the
+  Job credential revoked"). Here ``CRED_EXPIRE`` (10 s, Slurm's minimum is 5): a requeued
+  job here starts again about half a minute after its requeue, not over two minutes. Nothing else differs from Slurm's defaults but the
   short ``KillWait`` (``KILL_WAIT``) and the plugins that need no cgroups
   (``proctrack/linuxproc``, ``task/none``).
 
@@ -169,9 +169,11 @@ class Cluster:
                 pass
 
     def _network(self) -> None:
-        if os.path.exists(f"/sys/class/net/{self.bridge}"):
-            raise SlurmError(f"bridge {self.bridge} exists: another cluster of this "
-                             "process is running")
+        taken = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True,
+                               text=True).stdout
+        if f" {CONTROLLER_ADDR}/" in taken:
+            raise SlurmError(f"{CONTROLLER_ADDR} is taken: another test cluster is "
+                             "running on this machine (one at a time)")
         self.started_network = True
         run = self._ip
         run("link", "add", self.bridge, "type", "bridge")

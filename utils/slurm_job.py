@@ -9,7 +9,7 @@ the repository's root, with the variables for one process per node on the CPU
 (``SLOW_THEN_FAULTY``), submitted with ``--time=2 --signal=B:USR1@60``: Slurm warns
 it about a minute before its limit, it saves and requeues itself; requeued, one rank
 raises in its first step with its DataLoader workers running, torchrun restarts the
-ranks, and they resume. The record: each Slurm state the job passed through with the
+ranks, and they resume (a requeued run may be warned again, and requeued again). The record: each Slurm state the job passed through with the
 seconds since its submission, the batch script's lines and each node's main ones (what
 varies from run to run replaced), the warning's time before the limit, how long Slurm
 held the requeued job, and whether the final weights equal an uninterrupted job's.
@@ -169,8 +169,10 @@ def warned_job(cluster: Cluster, folder, data, reference) -> dict:
                            TIMEOUT)
     cluster.wait(job, lambda j: watch(j) and j.get("Restarts") == "1"
                  and j.get("JobState") == "PENDING", TIMEOUT)
+    # (a requeued run may be warned and requeued again: Slurm may warn up to a minute
+    # earlier than asked, and a loaded machine trains slowly)
     last = cluster.wait(job, lambda j: watch(j) and j.get("JobState") in ENDED
-                        and j.get("Restarts") == "1", TIMEOUT)
+                        and j.get("Restarts") != "0", 2 * TIMEOUT)
     log = batch_log(folder, job)
     warned_at = _clock(re.search(r"^(\S+) SIGUSR1", log, re.M).group(1))
     # Slurm's hold of a requeued job (reason BeginTime), then its wait for the scheduler
@@ -181,7 +183,8 @@ def warned_job(cluster: Cluster, folder, data, reference) -> dict:
     started_at = next(t for t, state, restarts, _ in timeline
                       if (state, restarts) == ("RUNNING", 1))
     return {
-        "job": job, "state": last["JobState"], "timeline": timeline,
+        "job": job, "state": last["JobState"], "runs": int(last["Restarts"]) + 1,
+        "timeline": timeline,
         "warned_after_s": round((warned_at
                                  - _clock(running["StartTime"])).total_seconds()),
         "limit_s": _seconds(running["TimeLimit"]),
@@ -243,7 +246,7 @@ def sanitize(text: str, folder, job: str) -> str:
             (r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", "<time>"),
             (r"(?m)^([DIWEF])\d{4} \d\d:\d\d:\d\d\.\d+ \d+ ", r"\1<time> <pid> "),
             (r"(?i)(pid[:=] ?|pid |process )\d+", r"\1<pid>"),
-            (rf"\b(job |JOB |JobId=|job_id\": \"|run_id\": \"|StepId=){job}\b",
+            (rf"(\bjob |\bJOB |JobId=|job_id\": \"|run_id\": \"|StepId=){job}\b",
              r"\1<job>"),
             (r"cifar10-\d+", "cifar10-<job>"), (r"(:)2\d{4}\b", r"\1<port>"),
             (r"\"launch\": \"\w+\"", "\"launch\": \"<id>\""),
