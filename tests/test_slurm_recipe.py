@@ -303,7 +303,8 @@ if __name__ == "__main__":
 def test_two_nodes_without_slurm_meet_at_their_own_addresses_and_a_relaunch_with_the_same_id_resumes(
         cluster, staged, tmp_path):
     """Chapter 12's torchrun command for several nodes, on each node of the cluster (its network
-    namespace) without Slurm: --rdzv-endpoint at the head's address, --local-addr, read_timeout. Launch
+    namespace) without Slurm: --rdzv-endpoint at the head's address, --local-addr, read_timeout=600 (the
+    head's torchrun starts 70 s after the other's: with torch's default, 60 s, the other gave up). Launch
     1 is stopped by a signal (exit 75, preempted.json); launch 2 reuses --rdzv-id (as a relaunch by hand
     or by Kubernetes does), and its first attempt fails before it resumes: torchrun's restart resumes and
     trains to the end. On main the restart read launch 1's preempted.json as its own and stopped with
@@ -317,9 +318,11 @@ def test_two_nodes_without_slurm_meet_at_their_own_addresses_and_a_relaunch_with
     env = job_env(cluster, tmp_path, staged, GLOO_SOCKET_IFNAME="slurm0")
     port = free_port()
 
-    def launch(number):
+    def launch(number, head_late=0):
         procs = []
-        for node in NODES:
+        for node in reversed(NODES):  # the head's torchrun last, head_late seconds after the other's
+            if node == "node1":
+                time.sleep(head_late)
             argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                     "--rdzv-backend=c10d", f"--rdzv-endpoint={cluster.addr['node1']}:{port}",
                     "--rdzv-id=cifar10-run1", "--rdzv-conf=read_timeout=600",
@@ -328,10 +331,11 @@ def test_two_nodes_without_slurm_meet_at_their_own_addresses_and_a_relaunch_with
                     "--no-progress", "--device", "cpu", "--global-batch", "64", "--workers", "0"]
             procs.append(subprocess.Popen(cluster.on_node(node, argv), cwd=ROOT, env={**env, "LAUNCH": number},
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        outputs = communicate(procs, TIMEOUT)
-        return [p.returncode for p in procs], [out for out, _ in outputs]
+        outputs = communicate(procs[::-1], TIMEOUT)
+        return [p.returncode for p in procs[::-1]], [out for out, _ in outputs]
 
-    codes, outputs = launch("1")
+    # the other node waits for the head longer than torch's default read_timeout (60 s)
+    codes, outputs = launch("1", head_late=70)
     assert codes != [0, 0] and "SIGTERM: every rank stopped after step 10" in outputs[0], outputs
     codes, outputs = launch("2")
     assert codes == [0, 0], outputs
