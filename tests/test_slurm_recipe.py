@@ -5,8 +5,8 @@ process on the CPU (GPUS_PER_NODE=1, --device cpu, gloo), with DataLoader worker
 first, as on a login node.
 
 Where Slurm cannot run (not Linux, not root, slurm-wlm not installed) these tests skip with the reason;
-with CI=true they fail instead. The cluster holds a requeued job about half a minute before it starts
-again, not over two minutes (utils.slurm_cluster.CRED_EXPIRE)."""
+with CI=true they fail instead. The cluster holds a requeued job 10 s, not 120 (cred_expire), before the
+scheduler's next pass starts it (utils.slurm_cluster.CRED_EXPIRE)."""
 
 import json
 import os

@@ -23,10 +23,13 @@ root from a generated ``slurm.conf`` in a temporary folder, and stopped again.
 - Slurm keeps a requeued job pending until its last run's credential, which it revoked,
   has expired: ``cred_expire`` seconds (120 by default; ``scontrol update
   StartTime=now`` does not help: the job is allocated, then killed as "non-startable:
-  Job credential revoked"). Here ``CRED_EXPIRE`` (10 s, Slurm's minimum is 5): a requeued
-  job here starts again about half a minute after its requeue, not over two minutes. Nothing else differs from Slurm's defaults but the
-  short ``KillWait`` (``KILL_WAIT``) and the plugins that need no cgroups
-  (``proctrack/linuxproc``, ``task/none``).
+  Job credential revoked"). Here ``CRED_EXPIRE`` (10 s, Slurm's minimum is 5): a
+  requeued job starts again after it and the scheduler's next pass, half a minute to a
+  minute or so after its requeue (over two minutes with the default). Nothing else
+  differs from Slurm's defaults but the short ``KillWait`` (``KILL_WAIT``) and the
+  plugins that need no cgroups (``proctrack/linuxproc``, ``task/none``).
+- By hand (as root): ``python -m utils.slurm_cluster`` starts it, prints the
+  ``SLURM_CONF`` a shell needs, and stops it on Ctrl-C.
 
 ``unavailable()`` says why a cluster cannot run here (not Linux, not root, no Slurm).
 """
@@ -394,3 +397,45 @@ class Cluster:
                 raise SlurmError(f"job {job_id}: still {found.get('JobState')} "
                                  f"({found.get('Reason')}) after {timeout} s")
             time.sleep(poll)
+
+
+def main(argv=None) -> None:
+    """``python -m utils.slurm_cluster [--folder DIR]`` (as root): start the cluster,
+    print what a shell needs to use it, and stop it on Ctrl-C or SIGTERM."""
+    import argparse
+    import tempfile
+
+    p = argparse.ArgumentParser(description="A two-node Slurm cluster on this machine "
+                                "(see utils/slurm_cluster.py); Ctrl-C stops it")
+    p.add_argument("--folder", help="its configuration, logs and state (default: a "
+                   "new temporary folder)")
+    p.add_argument("--loopback", action="store_true",
+                   help="both nodes on 127.0.0.1, no network namespaces")
+    args = p.parse_args(argv)
+    reason = unavailable()
+    if reason:
+        raise SystemExit(f"error: {reason}")
+    folder = args.folder or tempfile.mkdtemp(prefix="slurm_cluster_")
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    with Cluster(folder, namespaces=not args.loopback) as cluster:
+        interface = (f"SOCKET_IFNAME={INTERFACE}" if cluster.namespaces
+                     else "LOOPBACK_OK=1")
+        nodes = ", ".join(f"{node} at {cluster.addr[node]}" for node in NODES)
+        print(f"nodes {nodes}; logs in {folder}\nin another shell:\n"
+              f"  export SLURM_CONF={cluster.conf}\n  sinfo\nand give the recipe "
+              f"{interface} (see examples/slurm/README.md); Ctrl-C here stops the "
+              "cluster and its jobs", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:  # a second one must not cut the stop short
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("stopped", flush=True)
+
+
+if __name__ == "__main__":
+    main()

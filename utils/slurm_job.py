@@ -9,10 +9,11 @@ the repository's root, with the variables for one process per node on the CPU
 (``SLOW_THEN_FAULTY``), submitted with ``--time=2 --signal=B:USR1@60``: Slurm warns
 it about a minute before its limit, it saves and requeues itself; requeued, one rank
 raises in its first step with its DataLoader workers running, torchrun restarts the
-ranks, and they resume (a requeued run may be warned again, and requeued again). The record: each Slurm state the job passed through with the
-seconds since its submission, the batch script's lines and each node's main ones (what
-varies from run to run replaced), the warning's time before the limit, how long Slurm
-held the requeued job, and whether the final weights equal an uninterrupted job's.
+ranks, and they resume (a requeued run may be warned again, and requeued again). The
+record: each Slurm state the job passed through with the seconds since its
+submission, the batch script's lines and each node's main ones (what varies from run
+to run replaced), the warning's time before the limit, how long the requeued job
+waited, and whether the final weights equal an uninterrupted job's.
 """
 
 from __future__ import annotations
