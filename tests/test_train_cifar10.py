@@ -841,6 +841,41 @@ def test_sigint_stops_at_the_agreed_step_and_only_a_later_second_one_interrupts(
     assert other.signal == signal.SIGTERM  # the first one names the stop
 
 
+SIGTERM_WHILE_RECORDING = """
+import json, os, signal
+import torch.distributed.elastic.multiprocessing.errors.error_handler as error_handler
+from torch.distributed.elastic.multiprocessing.errors import record
+from utils.train_cifar10 import Preemption
+
+class SigtermMidWrite:  # the agent's SIGTERM, half-way through the error file
+    def dump(self, data, fp):
+        text = json.dumps(data)
+        fp.write(text[:10]); fp.flush()
+        os.kill(os.getpid(), signal.SIGTERM)
+        fp.write(text[10:])
+
+error_handler.json = SigtermMidWrite()
+
+def main():
+    with Preemption():
+        raise RuntimeError("rank 1 failed")
+
+record(main)()
+"""
+
+
+def test_a_rank_sigtermed_while_it_records_its_exception_still_writes_its_error_file(tmp_path):
+    """Under torchrun, a rank that raises goes on with the stop signals' flag handlers while
+    ``@record`` writes its error file: the SIGTERM that the agent sends the ranks once it has seen
+    one fail does not cut the file short (the agent would die reading it, JSONDecodeError)."""
+    error_file = tmp_path / "error.json"
+    done = subprocess.run([sys.executable, "-c", SIGTERM_WHILE_RECORDING], capture_output=True, text=True,
+                          env={**ENV, "TORCHELASTIC_ERROR_FILE": str(error_file)}, timeout=120)
+    assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
+    assert "RuntimeError: rank 1 failed" in done.stderr
+    report = json.loads(error_file.read_text())
+    assert report["message"]["message"] == "RuntimeError: rank 1 failed"
+
 # --- a run that did not learn says so, last, and fails (issue 43) -----------------------
 
 def test_a_diverging_run_stops_with_its_verdict_and_keeps_no_diverged_weights(data,

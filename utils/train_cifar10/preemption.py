@@ -54,9 +54,11 @@ class Preemption:
     agent: ``book/results/failures_cpu.json``).
 
     The handlers are installed in the main thread (where Python allows them), and the
-    previous ones restored after the run, unless a signal stopped it: then they stay,
-    so that a SIGTERM that torchrun's agent sends once the first rank has exited does
-    not kill the others before they exit with ``EXIT_PREEMPTED`` too."""
+    previous ones restored after the run, unless a signal stopped it or, under
+    torchrun, an exception ends it: then they stay, so that a SIGTERM that torchrun's
+    agent sends once the first rank has exited does not kill the others before they
+    exit with ``EXIT_PREEMPTED`` too, or before ``@record`` has written their error
+    file."""
 
     def __init__(self, check_seconds: float = STOP_CHECK_SECONDS):
         self.signal = 0
@@ -72,8 +74,15 @@ class Preemption:
                 self._previous[sig] = signal.signal(sig, self._note)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         if self.signal:
+            return
+        if exc_type is not None and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            # a rank leaving on an exception under torchrun: ``@record`` writes its
+            # error file next, and the agent, which has seen another rank fail,
+            # may SIGTERM this one meanwhile; with the default handler back, the
+            # file would be cut short and the agent die reading it
+            # (JSONDecodeError) instead of restarting the ranks
             return
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
