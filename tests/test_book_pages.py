@@ -8,7 +8,8 @@ import nbformat
 import pytest
 import yaml
 
-from utils.notebook_times import intro_with_times, minutes_label, toc_notebooks
+from utils.notebook_times import (intro_with_reading, intro_with_times, minutes_label, reading_label,
+                                  reading_words, toc_notebooks)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOC = yaml.safe_load((ROOT / "_toc.yml").read_text())
@@ -77,11 +78,21 @@ def test_landing_page_times_come_from_the_results_file():
         assert row.rstrip(" |").endswith(minutes_label(seconds)), row
 
 
+def test_landing_page_reading_times_come_from_the_chapters_words():
+    intro = (ROOT / "book/intro.md").read_text()
+    assert intro_with_reading(intro, reading_words()) == intro, (
+        "re-run python -m utils.notebook_times --reading-only")
+    assert reading_label(1) == "1 min" and reading_label(151) == "2 min"
+
+
 def test_intro_with_times_refuses_a_chapter_without_a_row():
     with pytest.raises(ValueError, match="no table row linking"):
         intro_with_times("| 1 | [x](../notebooks/x.ipynb) | 1 min |",
                          {"notebooks/x.ipynb": 30, "notebooks/y.ipynb": 30})
-    row = "| [x](../notebooks/x.ipynb) | ? |"
+    with pytest.raises(ValueError, match="no table row linking"):  # a part's "builds on" link
+        intro_with_times("| | **Part I** (builds on [1](../notebooks/x.ipynb)) | |",
+                         {"notebooks/x.ipynb": 30})
+    row = "| 1 | [x](../notebooks/x.ipynb) | ? |"
     assert intro_with_times(row, {"notebooks/x.ipynb": 61}) == row.replace("?", "2 min")
     with pytest.raises(ValueError, match="positive"):
         minutes_label(0)

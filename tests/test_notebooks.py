@@ -254,6 +254,9 @@ def marking_problems(path):
         if "## Summary" not in before + text[:at] or "## Exercises" in before + text[:at]:
             problems.append(f"{path.name}: the Key points box belongs after '## Summary' "
                             "and before '## Exercises'")
+        elif (before + "\n" + text[:at]).rsplit("## Summary", 1)[1].strip():
+            problems.append(f"{path.name}: one recap: '## Summary' holds the Key points "
+                            "box alone, no prose summary before it")
         if ":class: tip" not in text[at:].split("```")[1]:
             problems.append(f"{path.name}: the Key points box wants ':class: tip'")
     for i, cell in enumerate(cells):

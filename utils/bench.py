@@ -348,7 +348,7 @@ def bench_ddp(layers: int = 100, width: int = 64, batch: int = 32, steps: int = 
 RESTART_DEMO = """
 import os, sys, datetime, torch.distributed as dist
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-timeout = datetime.timedelta(seconds=60 if sys.argv[1] == "prefix" else 10)
+timeout = datetime.timedelta(seconds=60)   # the same for both ways
 if sys.argv[1] == "prefix":   # what utils.train_cifar10.init_process_group does
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           int(os.environ["WORLD_SIZE"]), False)

@@ -15,6 +15,7 @@ import json
 import math
 import multiprocessing
 import pathlib
+import re
 import sys
 import time
 
@@ -26,7 +27,8 @@ from .bench import environment
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-__all__ = ["toc_notebooks", "time_notebook", "minutes_label", "intro_with_times"]
+__all__ = ["toc_notebooks", "time_notebook", "minutes_label", "intro_with_times",
+           "cell_sources", "prose_words", "reading_label", "intro_with_reading"]
 
 INTRO = ROOT / "book" / "intro.md"
 
@@ -67,28 +69,80 @@ def minutes_label(seconds: float) -> str:
     return f"{math.ceil(seconds / 60)} min"
 
 
-def intro_with_times(text: str, seconds: dict[str, float]) -> str:
-    """The landing page's text with each chapter row's last cell set to its time.
+# words of prose a reader takes in per minute, in a chapter that also has code and
+# its output to read: the landing page's "Time to read"
+READING_WORDS_PER_MINUTE = 150
 
-    A row is a table line that links ``../notebooks/NAME.ipynb``; its last cell becomes
-    ``minutes_label`` of ``seconds["notebooks/NAME.ipynb"]``. Raises if a timed notebook
-    has no row, so the table cannot silently miss a chapter.
-    """
+
+def cell_sources(path: pathlib.Path) -> list[tuple[str, str]]:
+    """Each cell's type and source text, read as plain JSON (no schema validation:
+    fast enough to measure every chapter in a test)."""
+    with open(path, encoding="utf-8") as f:
+        cells = json.load(f)["cells"]
+    return [(c["cell_type"], "".join(c["source"]) if isinstance(c["source"], list)
+             else c["source"]) for c in cells]
+
+
+def prose_words(path: pathlib.Path) -> int:
+    """Words of a chapter's markdown before its exercises: what one sitting reads."""
+    words = 0
+    for kind, source in cell_sources(path):
+        if kind != "markdown":
+            continue
+        before, exercises, _ = ("\n" + source).partition("\n## Exercises")
+        words += len(before.split())
+        if exercises:
+            break
+    return words
+
+
+def reading_label(words: int) -> str:
+    """How the book quotes a reading time: whole minutes, rounded up."""
+    return f"{max(1, math.ceil(words / READING_WORDS_PER_MINUTE))} min"
+
+
+def _intro_with_cells(text: str, cells_by_name: dict[str, str], column: int) -> str:
+    """The landing page's text with one cell (``column``, from the right: -1 is the
+    last) of each chapter row set; a row is a table line that links
+    ``../notebooks/NAME.ipynb`` first in its chapter cell, and ``cells_by_name`` is keyed by
+    ``notebooks/NAME.ipynb``. Raises if a notebook has no row, so the table cannot
+    silently miss a chapter (a link elsewhere in a row, a part's "builds on
+    chapter N", does not make it that chapter's row)."""
     lines = text.split("\n")
     done = set()
     for i, line in enumerate(lines):
         if not line.startswith("|"):
             continue
-        for name, value in seconds.items():
-            if f"(../{name})" in line:
-                cells = line.rstrip().rstrip("|").split("|")
-                cells[-1] = f" {minutes_label(value)} "
+        cells = line.rstrip().rstrip("|").split("|")
+        for name, value in cells_by_name.items():
+            if len(cells) > 2 and re.match(rf"\s*\[[^\]]*\]\(\.\./{re.escape(name)}\)",
+                                           cells[2]):
+                cells[column] = f" {value} "
                 lines[i] = "|".join(cells) + "|"
                 done.add(name)
-    missing = sorted(set(seconds) - done)
+    missing = sorted(set(cells_by_name) - done)
     if missing:
         raise ValueError(f"book/intro.md has no table row linking {missing}")
     return "\n".join(lines)
+
+
+def intro_with_times(text: str, seconds: dict[str, float]) -> str:
+    """The landing page's text with each chapter row's last cell ("Time to run") set
+    to ``minutes_label`` of ``seconds["notebooks/NAME.ipynb"]``."""
+    return _intro_with_cells(text, {name: minutes_label(value)
+                                    for name, value in seconds.items()}, -1)
+
+
+def intro_with_reading(text: str, words: dict[str, int]) -> str:
+    """The landing page's text with each chapter row's cell before the last ("Time to
+    read") set to ``reading_label`` of ``words["notebooks/NAME.ipynb"]``."""
+    return _intro_with_cells(text, {name: reading_label(value)
+                                    for name, value in words.items()}, -2)
+
+
+def reading_words() -> dict[str, int]:
+    """``prose_words`` of every notebook in ``_toc.yml``, keyed as the intro's rows."""
+    return {p.relative_to(ROOT).as_posix(): prose_words(p) for p in toc_notebooks()}
 
 
 def _earlier(path: pathlib.Path) -> tuple[dict, dict]:
@@ -115,8 +169,12 @@ def _chosen(only: list[str] | None) -> list[pathlib.Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--update-intro", action="store_true",
-                        help="also write the times into book/intro.md's table")
-    parser.add_argument("--out", type=pathlib.Path, required=True,
+                        help="also write the times, and the reading times from the "
+                             "chapters' words, into book/intro.md's table")
+    parser.add_argument("--reading-only", action="store_true",
+                        help="write only the reading times into book/intro.md's "
+                             "table (from the chapters' words; runs nothing)")
+    parser.add_argument("--out", type=pathlib.Path,
                         help="JSON file to write, e.g. "
                              "book/results/notebook_times_cpu.json")
     parser.add_argument("--only", nargs="+", metavar="NOTEBOOK",
@@ -125,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
                              "others' times from --out, each with the date it was "
                              "measured")
     args = parser.parse_args(argv)
+    if args.reading_only:
+        INTRO.write_text(intro_with_reading(INTRO.read_text(), reading_words()))
+        return 0
+    if args.out is None:
+        parser.error("--out is required (a JSON file to write), unless --reading-only")
     times, timed = _earlier(args.out) if args.only else ({}, {})
     now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     for path in _chosen(args.only):
@@ -148,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     # work changes: python -m utils.notebook_times --update-intro)
     results.write(str(args.out), result, ["utils/notebook_times.py::time_notebook"])
     if args.update_intro:
-        INTRO.write_text(intro_with_times(INTRO.read_text(), times))
+        INTRO.write_text(intro_with_reading(intro_with_times(INTRO.read_text(), times),
+                                            reading_words()))
     return 0
 
 
