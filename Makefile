@@ -39,7 +39,7 @@ JOBS_PER_LANE := $(shell echo $$(( $(CORES) / $(LANES) > 1 ? $(CORES) / $(LANES)
 SYNC := $(if $(filter 3.%,$(MAKE_VERSION)),,--output-sync=target)
 
 test: check-browser $(STAMP)
-	@echo "make test: $(CORES) cores, $(LANES) lanes of tests side by side with $(JOBS_PER_LANE) test process(es) each; each lane prints its report when it ends (about 43 minutes on 2 cores)"
+	@echo "make test: $(CORES) cores, $(LANES) lanes of tests side by side with $(JOBS_PER_LANE) test process(es) each; each lane prints its report when it ends (about 50 minutes on 2 cores)"
 	$(MAKE) --no-print-directory -j$(LANES) $(SYNC) JOBS=$(JOBS_PER_LANE) test-lane-fork test-lane-portable
 
 # Lane 2 also takes the utils tests that run the training script as SLURM and GPU-check jobs,
