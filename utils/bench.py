@@ -365,12 +365,20 @@ print(f"attempt {attempt}, rank {dist.get_rank()}: connected", flush=True)
 """
 
 
+# how long one run of the restart demo may take: its collectives' timeout (60 s), twice,
+# and the start-up; a run still going then is killed and counted as hung
+RESTART_RUN_LIMIT = 150
+
+
 def bench_restart(runs: int = 5) -> dict:
     """How often ranks restarted by ``torchrun --max-restarts=1`` reconnect, with the
-    default ``init_process_group`` and with a store prefix per attempt (the demo script
-    is stored in the result)."""
-    import subprocess
+    default ``init_process_group`` and with a store prefix per attempt, both with the
+    same 60 s timeout (the demo script is stored in the result). Each run ends
+    connected, in gloo's ``connectFullMesh failed``, in another failure, or hung: still
+    running after ``RESTART_RUN_LIMIT`` seconds, when its processes are killed."""
     import tempfile
+
+    from . import hangs
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     counts = {}
@@ -379,18 +387,22 @@ def bench_restart(runs: int = 5) -> dict:
         with open(path, "w") as f:
             f.write(RESTART_DEMO)
         for mode in ("default", "prefix"):
-            connected = mesh_errors = 0
+            connected = mesh_errors = hung = 0
             for _ in range(runs):
-                done = subprocess.run([sys.executable, "-m", "torch.distributed.run",
-                                       "--standalone", "--nproc_per_node=2",
-                                       "--max-restarts=1", path, mode],
-                                      env=env, capture_output=True, text=True,
-                                      timeout=300)
+                try:
+                    done = hangs.run([sys.executable, "-m", "torch.distributed.run",
+                                      "--standalone", "--nproc_per_node=2",
+                                      "--max-restarts=1", path, mode],
+                                     env=env, timeout=RESTART_RUN_LIMIT)
+                except hangs.Hang:
+                    hung += 1
+                    continue
                 connected += ("attempt 1, rank 0: connected" in done.stdout
                               and "attempt 1, rank 1: connected" in done.stdout)
                 mesh_errors += "connectFullMesh failed" in done.stdout + done.stderr
             counts[mode] = {"runs": runs, "restarted_ranks_connected": connected,
-                            "gloo_connect_errors": mesh_errors}
+                            "gloo_connect_errors": mesh_errors,
+                            f"hung_past_{RESTART_RUN_LIMIT}_s": hung}
     return {"benchmark": "torchrun --standalone --nproc_per_node=2 --max-restarts=1, "
                          "rank 1 dies after the first barrier",
             "script": RESTART_DEMO.strip(), "results": counts}
@@ -410,7 +422,8 @@ SOURCES = {"sampler": ["utils/samplers.py", "utils/bench.py::bench_sampler",
            "ddp": ["utils/ddp.py", "utils/launch.py", "utils/bench.py::bench_ddp",
                    "utils/bench.py::_ddp_step_times", "utils/bench.py::_ddp_wrappers",
                    "utils/bench.py::_torch_ddp_buckets"],
-           "restart": ["utils/bench.py::RESTART_DEMO", "utils/bench.py::bench_restart"]}
+           "restart": ["utils/bench.py::RESTART_DEMO", "utils/bench.py::bench_restart",
+                       "utils/bench.py::RESTART_RUN_LIMIT"]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -454,7 +467,8 @@ def main(argv: list[str] | None = None) -> None:
         for mode, c in result["results"].items():
             print(f"{mode:>8}: restarted ranks connected in "
                   f"{c['restarted_ranks_connected']} of {c['runs']} runs, "
-                  f"gloo connect errors in {c['gloo_connect_errors']}")
+                  f"gloo connect errors in {c['gloo_connect_errors']}, hung in "
+                  f"{c[f'hung_past_{RESTART_RUN_LIMIT}_s']}")
     else:
         result = bench_ddp(rounds=args.repeats, bucket_cap_mb=args.bucket_cap_mb)
         for name, t in result["seconds_per_step"].items():
