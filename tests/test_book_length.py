@@ -21,7 +21,7 @@ APPENDIX_WORDS = 10_000  # all appendices together
 CITATIONS = 20  # inline citations of S0-S4, in all notebooks
 # chapters not yet cut to CHAPTER_WORDS (issue 45): their words now, as a ceiling
 STILL_OVER = {"12_surviving_a_cluster": 5_580}
-STILL_OVER_IN_ALL = 41_250  # the chapters together, until it is cut
+STILL_OVER_IN_ALL = 41_300  # the chapters together, until it is cut
 
 CITATION = re.compile(r"\[S[0-4]\]|\{cite:[a-z]+\}`s[0-4]`")
 
