@@ -104,9 +104,9 @@ def reading_label(words: int) -> str:
 def _intro_with_cells(text: str, cells_by_name: dict[str, str], column: int) -> str:
     """The landing page's text with one cell (``column``, from the right: -1 is the
     last) of each chapter row set; a row is a table line that links
-    ``../notebooks/NAME.ipynb`` first in its chapter cell, and ``cells_by_name`` is keyed by
-    ``notebooks/NAME.ipynb``. Raises if a notebook has no row, so the table cannot
-    silently miss a chapter (a link elsewhere in a row, a part's "builds on
+    ``../notebooks/NAME.ipynb`` first in its chapter cell, and ``cells_by_name`` is
+    keyed by ``notebooks/NAME.ipynb``. Raises if a notebook has no row, so the table
+    cannot silently miss a chapter (a link elsewhere in a row, a part's "builds on
     chapter N", does not make it that chapter's row)."""
     lines = text.split("\n")
     done = set()
