@@ -30,6 +30,7 @@ import functools
 import json
 import math
 import os
+import pathlib
 import re
 import shlex
 import signal
@@ -40,6 +41,7 @@ import time
 from typing import Callable
 
 from utils import results
+from utils.notebook_times import cell_sources
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ("README.md", "book/how_to_run.md", "book/cheat_sheet.md", "book/intro.md",
@@ -315,10 +317,9 @@ def page_texts(root: str) -> list[tuple[str, str]]:
         with open(os.path.join(root, page), encoding="utf-8") as f:
             texts.append((page, f.read()))
     for notebook in NOTEBOOKS:
-        with open(os.path.join(root, notebook), encoding="utf-8") as f:
-            cells = json.load(f)["cells"]
-        texts += [(f"{notebook} cell {i}", "".join(cell["source"]))
-                  for i, cell in enumerate(cells) if cell["cell_type"] == "markdown"]
+        cells = cell_sources(pathlib.Path(root, notebook))
+        texts += [(f"{notebook} cell {i}", source)
+                  for i, (kind, source) in enumerate(cells) if kind == "markdown"]
     return texts
 
 
