@@ -50,6 +50,45 @@ def staged(tmp_path_factory):
     return stage(tmp_path_factory.mktemp("staged"))
 
 
+# --- the cluster itself --------------------------------------------------------------------------------
+
+def test_a_cluster_starts_over_the_network_a_killed_run_left_and_keeps_a_live_ones(tmp_path):
+    """Before the module's cluster starts: a run killed before its stop() (SIGKILL, a session's end)
+    leaves its bridge with the controller's address and its namespaces; the next cluster removes
+    them. A network whose owner still runs is kept."""
+    reason = slurm_cluster.unavailable()
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true, and no Slurm here: {reason}")
+        pytest.skip(reason)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    live = subprocess.Popen(["sleep", "60"])
+    dead_bridge, dead_ns, live_bridge = f"slbr{gone.pid}", f"sl{gone.pid}node1", f"slbr{live.pid}"
+    ip = Cluster._ip
+    try:
+        ip("link", "add", dead_bridge, "type", "bridge")
+        ip("addr", "add", f"{slurm_cluster.CONTROLLER_ADDR}/24", "dev", dead_bridge)
+        ip("netns", "add", dead_ns)
+        ip("link", "add", live_bridge, "type", "bridge")
+        stale = slurm_cluster.stale_networks()
+        assert (dead_bridge, [dead_ns]) in stale and live_bridge not in [bridge for bridge, _ in stale]
+        cluster = Cluster(tmp_path)
+        try:
+            cluster._network()
+        finally:
+            cluster.stop()
+        links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+        spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f" {dead_bridge}:" not in links and dead_ns not in spaces
+        assert f" {live_bridge}:" in links and f" {cluster.bridge}:" not in links
+    finally:
+        live.kill()
+        live.wait()
+        slurm_cluster.remove_network(dead_bridge, [dead_ns])
+        slurm_cluster.remove_network(live_bridge, [])
+
+
 # --- the script's own checks, before anything trains ------------------------------------------------
 
 def test_without_staged_data_the_job_stops_before_starting_anything(cluster, tmp_path):

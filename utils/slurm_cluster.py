@@ -85,6 +85,39 @@ def unavailable() -> str | None:
     return None
 
 
+def stale_networks() -> list[tuple[str, list[str]]]:
+    """The bridges and namespaces of clusters whose process is gone (a run killed
+    with SIGKILL, or a machine's session ended, never reached ``stop()``): each
+    ``(bridge, [namespace, ...])``. Left alone, one keeps the controller's address
+    and every later cluster on this machine would refuse to start."""
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True,
+                           text=True).stdout
+    bridges = re.findall(r"^\d+: (slbr(\d+))[:@]", links, flags=re.M)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True,
+                            text=True).stdout
+    spaces = re.findall(r"^(sl(\d+)node\d+)\b", listed, flags=re.M)
+    stale = []
+    for tag in sorted({t for _, t in bridges} | {t for _, t in spaces}):
+        owned = [ns for ns, t in spaces if t == tag]
+        if psutil.pid_exists(int(tag)) or any(_pids_in(ns) for ns in owned):
+            continue  # a cluster that runs (its owner, or a daemon in a node)
+        stale.append((f"slbr{tag}", owned))
+    return stale
+
+
+def _pids_in(namespace: str) -> list[str]:
+    return subprocess.run(["ip", "netns", "pids", namespace], capture_output=True,
+                          text=True).stdout.split()
+
+
+def remove_network(bridge: str, namespaces: list[str]) -> None:
+    """Delete the namespaces (and their veth pairs) and the bridge; what is
+    already gone is skipped."""
+    for ns in namespaces:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+
+
 class SlurmError(RuntimeError):
     """The cluster did not start, or a Slurm command failed."""
 
@@ -97,7 +130,7 @@ class Cluster:
         self.folder = Path(folder)
         self.namespaces = namespaces
         self.loopback_names_default = loopback_names
-        tag = f"{os.getpid() % 100000}"
+        tag = f"{os.getpid()}"  # stale_networks() reads the owner's pid back
         self.bridge = f"slbr{tag}"
         self.netns = {node: f"sl{tag}{node}" for node in NODES}
         self.addr = {node: (f"{SUBNET}.{11 + i}" if namespaces else "127.0.0.1")
@@ -153,9 +186,7 @@ class Cluster:
         self.processes.clear()
         self._kill_leftovers()
         if self.started_network:
-            for node, ns in self.netns.items():
-                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-            subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+            remove_network(self.bridge, list(self.netns.values()))
             self.started_network = False
 
     def _kill_leftovers(self) -> None:
@@ -172,6 +203,8 @@ class Cluster:
                 pass
 
     def _network(self) -> None:
+        for bridge, namespaces in stale_networks():
+            remove_network(bridge, namespaces)
         taken = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True,
                                text=True).stdout
         if f" {CONTROLLER_ADDR}/" in taken:
