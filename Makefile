@@ -46,7 +46,7 @@ test: check-browser $(STAMP)
 # five chapters of the fork pass, and the browser test at its end, so that the lanes take about
 # as long (a fresh-clone run with them all in lane 1 had lane 1 at twice lane 2's time)
 LANE2_UTILS := tests/test_slurm_recipe.py tests/test_gpu_check.py
-LANE2_NOTEBOOKS := 06_seeding 09_distributed_evaluation 10_ddp_from_scratch 12_surviving_a_cluster 15_streams_of_shards
+LANE2_NOTEBOOKS := 07_seeding 09_distributed_evaluation 10_ddp_from_scratch 12_exact_resume 13_restarts_and_slurm 16_streams_of_shards
 
 test-lane-fork: $(STAMP)
 	$(UTILS_TESTS) $(LANE2_UTILS:%=--ignore=%)
@@ -105,15 +105,15 @@ test-notebooks: $(STAMP)
 # torch, torch.distributed, cloudpickle and utils preloaded in each fork server) a worker has
 # only what it imports and unpickles, as under spawn, at the cost of a fork: a notebook that
 # relies on state a worker inherits fails it as it fails under spawn (tests/test_portability.py).
-# It runs the chapters that start workers or ranks, but two: chapter 5, which teaches the start
-# methods, runs under spawn itself, as macOS and Windows run it (SPAWN_NOTEBOOKS); and chapters 11 and 12,
+# It runs the chapters that start workers or ranks, but two: chapter 6, which teaches the start
+# methods, runs under spawn itself, as macOS and Windows run it (SPAWN_NOTEBOOKS); and chapters 11 to 13,
 # whose workers start from the training scripts' own fork servers under any start method, runs in
 # the fork pass only. tests/test_notebooks.py fails if a chapter that starts workers is in neither
 # list. make test-utils-spawn runs the utils tests under spawn, as a Mac runs them.
-PORTABLE_NOTEBOOKS := 00_the_picture 03_set_epoch 06_seeding 07_iterable_datasets 10_ddp_from_scratch 13_loader_throughput 14_permutation_sampler 15_streams_of_shards appendix_common_mistakes
-SPAWN_NOTEBOOKS := 05_workers
+PORTABLE_NOTEBOOKS := 00_the_picture 03_set_epoch 07_seeding 08_iterable_datasets 10_ddp_from_scratch 14_loader_throughput 15_permutation_sampler 16_streams_of_shards appendix_ddp_internals
+SPAWN_NOTEBOOKS := 06_workers
 # chapters that start workers only through scripts that choose their own start method
-OWN_START_NOTEBOOKS := 11_cifar10_ddp 12_surviving_a_cluster
+OWN_START_NOTEBOOKS := 11_cifar10_ddp 12_exact_resume 13_restarts_and_slurm
 
 FORCED = PYTHONPATH=$(CURDIR)/tests/start_method BOOK_START_METHOD=$(1)
 PORTABLE_TESTS = $(call FORCED,forkserver) $(BIN)/python $(NBVAL) \

@@ -22,18 +22,19 @@ from utils import hangs  # noqa: E402
 
 NBVAL = ["--nbval", "--nbval-current-env", "--nbval-sanitize-with", "sanitize.cfg"]
 # (pytest arguments) of each target: every test that starts workers from a rank, and the
-# chapters whose ranks start workers most (5, 6, 7) or run the training scripts with them (11, 12)
+# chapters whose ranks start workers most (6, 7, 8) or run the training scripts with them (11, 12, 13)
 TARGETS = {
     "workers tests": ["tests/test_workers.py"],
     "examples in ranks": ["tests/test_examples.py", "-k", "ranks"],
     "training script, workers": ["tests/test_train_cifar10.py", "-k",
                                  "sigterm or killed_after_and_before or two_ranks_equal"],
     "capstone scripts": ["tests/test_train_ddp.py"],
-    "chapter 5": [*NBVAL, "notebooks/05_workers.ipynb"],
-    "chapter 6": [*NBVAL, "notebooks/06_seeding.ipynb"],
-    "chapter 7": [*NBVAL, "notebooks/07_iterable_datasets.ipynb"],
+    "chapter 6": [*NBVAL, "notebooks/06_workers.ipynb"],
+    "chapter 7": [*NBVAL, "notebooks/07_seeding.ipynb"],
+    "chapter 8": [*NBVAL, "notebooks/08_iterable_datasets.ipynb"],
     "chapter 11": [*NBVAL, "notebooks/11_cifar10_ddp.ipynb"],
-    "chapter 12": [*NBVAL, "notebooks/12_surviving_a_cluster.ipynb"],
+    "chapter 12": [*NBVAL, "notebooks/12_exact_resume.ipynb"],
+    "chapter 13": [*NBVAL, "notebooks/13_restarts_and_slurm.ipynb"],
 }
 
 

@@ -114,11 +114,14 @@ def test_timing_only_some_chapters_keeps_the_others_with_their_dates(tmp_path,
     out.write_text(json.dumps({"seconds": {"notebooks/01_samplers.ipynb": 5.0,
                                            "notebooks/02_distributed_sampler.ipynb": 9.0},
                                "date": "2026-01-01T00:00:00+00:00"}))
-    monkeypatch.setattr(notebook_times, "time_notebook", lambda path: 70.0)
+    saved = []
+    monkeypatch.setattr(notebook_times, "time_notebook",
+                        lambda path, save=False: saved.append(save) or 70.0)
     monkeypatch.setattr(notebook_times.results, "write",
                         lambda path, result, sources: out.write_text(json.dumps(result)))
     notebook_times.main(["--only", "notebooks/02_distributed_sampler.ipynb",
-                         "--out", str(out)])
+                         "--out", str(out), "--save-outputs"])
+    assert saved == [True]
     written = json.loads(out.read_text())
     assert written["seconds"] == {"notebooks/01_samplers.ipynb": 5.0,
                                   "notebooks/02_distributed_sampler.ipynb": 70.0}
@@ -129,7 +132,48 @@ def test_timing_only_some_chapters_keeps_the_others_with_their_dates(tmp_path,
         notebook_times.main(["--only", "notebooks/nope.ipynb", "--out", str(out)])
 
 
+def test_a_timed_notebook_is_saved_with_the_outputs_of_that_run_only_when_asked(tmp_path):
+    from utils.notebook_times import time_notebook
+
+    path = tmp_path / "n.ipynb"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
+    nbformat.write(nb, path)
+    assert time_notebook(path) > 0 and not nbformat.read(path, 4).cells[0].outputs
+    time_notebook(path, save=True)
+    assert nbformat.read(path, 4).cells[0].outputs[0]["text"] == "42\n"
+
+
 def test_the_readme_is_short_enough_for_a_newcomer():
     """At most 800 words (issue 43): what it is, the two commands, how to run on GPUs;
     measurement history lives in book/results/, not in it."""
     assert len((ROOT / "README.md").read_text().split()) <= 800
+
+
+def heading_anchors(page: str) -> set[str]:
+    """The anchors MyST gives a notebook's headings (as in links like ``#a-dead-rank``)."""
+    nb = nbformat.read(ROOT / f"{page}.ipynb", as_version=4)
+    headings = [line.lstrip("#").strip() for cell in nb.cells if cell.cell_type == "markdown"
+                for line in cell.source.splitlines() if re.match(r"#{1,2} ", line)]
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+def test_old_addresses_of_moved_chapters_send_the_reader_to_the_new_page_or_section(tmp_path):
+    import sys
+    sys.path.insert(0, str(ROOT / "book" / "_ext"))
+    import redirects
+    pages = {c["file"] for part in TOC["parts"] for c in part["chapters"]}
+    assert "notebooks/12_exact_resume" in pages and "notebooks/12_surviving_a_cluster" not in pages
+    for old, (new, sections) in redirects.MOVED.items():
+        assert old not in pages and new in pages, (old, new)
+        for where in sections.values():
+            page, _, anchor = where.partition("#")
+            assert page in pages, where
+            assert not anchor or anchor in heading_anchors(page), f"{where}: no such heading"
+    written = redirects.write_stubs(tmp_path, pages=pages)
+    stub = (tmp_path / "notebooks" / "12_surviving_a_cluster.html").read_text()
+    assert len(written) == len(redirects.MOVED)
+    assert 'content="0; url=../notebooks/12_exact_resume.html"' in stub
+    moved = json.loads(re.search(r"var moved = (\{.*?\});", stub).group(1))
+    assert moved["hardening-step-4-a-dead-rank"] == "../notebooks/13_restarts_and_slurm.html#a-dead-rank"
+    with pytest.raises(ValueError, match="is a page of the book"):
+        redirects.write_stubs(tmp_path, pages=pages | {"notebooks/15_streams_of_shards"})

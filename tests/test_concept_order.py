@@ -28,7 +28,7 @@ IDEAS = {
     "DistributedSampler": (r"\bDistributedSampler\b", "DistributedSampler",
                            "00_the_picture"),
     "set_epoch": (r"\bset_epoch\(", "set_epoch", "00_the_picture"),
-    "worker_init_fn": (r"\bworker_init_fn\b", "worker_init_fn", "05_workers"),
+    "worker_init_fn": (r"\bworker_init_fn\b", "worker_init_fn", "06_workers"),
     "no_sync": (r"\bno_sync\b", "no_sync", "10_ddp_from_scratch"),
     "SyncBatchNorm": (r"\bSyncBatchNorm\b", "SyncBatchNorm", "10_ddp_from_scratch"),
     "Join": (r"\bJoin\b", "Join", "10_ddp_from_scratch"),

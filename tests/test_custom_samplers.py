@@ -194,7 +194,7 @@ def test_class_balanced_refuses_impossible_requests():
 
 
 def test_class_balanced_leaves_out_other_samples_in_later_epochs():
-    # chapter 8: one epoch uses 64 of 101 samples; later epochs reshuffle and use the rest
+    # chapter 5: one epoch uses 64 of 101 samples; later epochs reshuffle and use the rest
     y = np.array([0] * 64 + [1] * 21 + [2] * 16)
     used_per_epoch = []
     for epoch in range(10):

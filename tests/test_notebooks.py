@@ -84,17 +84,18 @@ def test_every_chapter_that_starts_worker_processes_is_in_a_start_method_pass():
     assert starting <= set(listed), (
         f"add {sorted(starting - set(listed))} to PORTABLE_NOTEBOOKS in the Makefile")
     # the pattern still finds them
-    assert {"03_set_epoch", "05_workers", "11_cifar10_ddp", "12_surviving_a_cluster"} <= starting
+    assert {"03_set_epoch", "06_workers", "11_cifar10_ddp", "12_exact_resume",
+            "13_restarts_and_slurm"} <= starting
     # the chapter that teaches start methods runs under spawn itself
-    assert lists["SPAWN_NOTEBOOKS"] == ["05_workers"]
+    assert lists["SPAWN_NOTEBOOKS"] == ["06_workers"]
 
 
-def test_chapters_11_and_12_start_workers_only_through_scripts_that_choose_their_start_method():
+def test_chapters_11_to_13_start_workers_only_through_scripts_that_choose_their_start_method():
     """OWN_START_NOTEBOOKS leave the portability pass because no worker of theirs follows
     the platform's start method: each script they run gives its loaders a context."""
     makefile = (ROOT / "Makefile").read_text()
     chapters = makefile_list(makefile, "OWN_START_NOTEBOOKS")
-    assert chapters == ["11_cifar10_ddp", "12_surviving_a_cluster"]
+    assert chapters == ["11_cifar10_ddp", "12_exact_resume", "13_restarts_and_slurm"]
     cells = [c for n in chapters
              for c in nbformat.read(ROOT / "notebooks" / f"{n}.ipynb", as_version=4).cells]
     code = "\n".join(c.source for c in cells if c.cell_type == "code")

@@ -403,7 +403,7 @@ def test_a_dataloader_that_drops_the_last_batch_resumes_at_the_next_epoch(kind,
     that then sets the next epoch gets all of it through CountingLoader, which knows
     the loop had the last batch. The sampler inside a StatefulDataLoader does not
     know it (its snapshot says 40 of 42 handed out), so there the script resumes the
-    saved epoch (chapter 14 says so): set first, the next epoch would begin with the 2
+    saved epoch (chapter 15 says so): set first, the next epoch would begin with the 2
     samples the DataLoader drops."""
     if kind.startswith("StatefulDataLoader"):
         pytest.importorskip("torchdata.stateful_dataloader")
@@ -599,7 +599,7 @@ def test_most_frequent_whole_order_at_n5_like_randperm(kind):
 
 
 def test_the_networks_whole_orders_at_n5_are_the_documented_limit():
-    """Chapter 14 says so: at n = 5 the network's most frequent order passes (216)
+    """Chapter 15 says so: at n = 5 the network's most frequent order passes (216)
     but its whole-order chi-square (305 at df 119) does not."""
     assert whole_orders("feistel", 5, 20000)[1] < 235
     assert whole_order_chi_square("feistel", 5, 20000) > 200

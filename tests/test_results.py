@@ -32,7 +32,7 @@ def test_each_results_file_was_measured_on_the_code_as_it_is_now(path):
 
 
 def test_chapter_12_shows_which_sources_of_a_gpu_file_changed_since():
-    with open(os.path.join(results.ROOT, "notebooks", "12_surviving_a_cluster.ipynb")) as f:
+    with open(os.path.join(results.ROOT, "notebooks", "12_exact_resume.ipynb")) as f:
         cells = ["".join(c["source"]) for c in json.load(f)["cells"] if c["cell_type"] == "code"]
     assert any("gpu_check_*.json" in c and "results.stale(" in c for c in cells)
 

@@ -228,7 +228,7 @@ def test_warned_by_slurms_time_limit_signal_the_job_saves_requeues_itself_and_en
     agreed step with one checkpoint, and the script requeues the job. Requeued, rank 1 raises in its
     first step with its workers running (on main the rank never exited, and the job hung until its time
     limit); torchrun restarts the ranks, they resume, and the job ends with the weights of the job that
-    was never stopped. What utils.slurm_job records for chapter 12."""
+    was never stopped. What utils.slurm_job records for chapter 13."""
     record = warned_job(cluster, tmp_path, staged, uninterrupted[0] / "out")
     log = "\n".join(record["batch_log"])
     assert record["state"] == "COMPLETED", log
@@ -341,7 +341,7 @@ if __name__ == "__main__":
 
 def test_two_nodes_without_slurm_meet_at_their_own_addresses_and_a_relaunch_with_the_same_id_resumes(
         cluster, staged, tmp_path):
-    """Chapter 12's torchrun command for several nodes, on each node of the cluster (its network
+    """Chapter 13's torchrun command for several nodes, on each node of the cluster (its network
     namespace) without Slurm: --rdzv-endpoint at the head's address, --local-addr, read_timeout=600; the
     head's torchrun starts 90 s after the other's (which joins with torch's default read_timeout, 60 s,
     too: a run without the option passed). Launch

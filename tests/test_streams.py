@@ -1,4 +1,4 @@
-"""Streams of shards read over HTTP by ranks and workers (utils.streams; chapter 15):
+"""Streams of shards read over HTTP by ranks and workers (utils.streams; chapter 16):
 each library's shard assignment audited for exactly-once, its behaviour on uneven shards
 and on a resume pinned as measured, and the shuffle buffers' statistics."""
 
@@ -99,7 +99,7 @@ def test_webdataset_resumed_with_a_buffer_is_exact_since_it_is_replayed(served):
 
 def test_datasets_resumed_with_a_buffer_and_workers_cannot_load_its_state(served):
     """With a buffer and 2 workers, the fresh workers fail to load the state
-    (measured with datasets 5.2.0; chapter 15 says so)."""
+    (measured with datasets 5.2.0; chapter 16 says so)."""
     from utils.launch import RankError
 
     with pytest.raises(RankError, match="IndexError"):
@@ -109,7 +109,7 @@ def test_datasets_resumed_with_a_buffer_and_workers_cannot_load_its_state(served
 def test_datasets_resumed_with_a_buffer_in_one_process_loses_the_buffer(served):
     """datasets saves where its shards were read, not the buffer's contents: of what
     the buffer held at the stop, 9 samples are never yielded and one comes twice
-    (measured with datasets 5.2.0; chapter 15 shows it)."""
+    (measured with datasets 5.2.0; chapter 16 shows it)."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     def loader(state=None):

@@ -36,22 +36,22 @@ test-lane-portable
  1420.41   DeprecationWarning: an old way
  1420.42 996 passed, 31 warnings in 885.12s (0:14:45)
  1420.42 .venv/bin/python -m pytest --nbval --nbval-current-env --nbval-sanitize-with \
-sanitize.cfg -q -p no:cacheprovider  notebooks --ignore=notebooks/06_seeding.ipynb \
+sanitize.cfg -q -p no:cacheprovider  notebooks --ignore=notebooks/07_seeding.ipynb \
 --ignore=notebooks/09_distributed_evaluation.ipynb
  1420.42 ........................................................... [100%]
  1420.43 263 passed in 431.40s (0:07:11)
  1514.02 PYTHONPATH=/tmp/suite_run_x/ddl-book/tests/start_method \
 BOOK_START_METHOD=forkserver .venv/bin/python -m pytest --nbval --nbval-current-env \
 --nbval-sanitize-with sanitize.cfg -q -p no:cacheprovider  notebooks/00_the_picture.ipynb \
-notebooks/03_set_epoch.ipynb notebooks/15_streams_of_shards.ipynb tests/test_start_method.py
+notebooks/03_set_epoch.ipynb notebooks/16_streams_of_shards.ipynb tests/test_start_method.py
  1514.02 ........................................................... [100%]
  1514.03 268 passed in 440.20s (0:07:20)
  1514.03 PYTHONPATH=/tmp/suite_run_x/ddl-book/tests/start_method BOOK_START_METHOD=spawn \
-.venv/bin/python -m pytest --nbval -q -p no:cacheprovider  notebooks/05_workers.ipynb \
+.venv/bin/python -m pytest --nbval -q -p no:cacheprovider  notebooks/06_workers.ipynb \
 tests/test_start_method.py
  1514.04 20 passed in 72.30s (0:01:12)
  1514.04 .venv/bin/python -m pytest --nbval -q -p no:cacheprovider  \
-notebooks/06_seeding.ipynb notebooks/09_distributed_evaluation.ipynb
+notebooks/07_seeding.ipynb notebooks/09_distributed_evaluation.ipynb
  1514.05 181 passed in 519.00s (0:08:39)
  1514.05 .venv/bin/python -m pytest tests/test_slurm_recipe.py tests/test_gpu_check.py -q
  1514.05 ..................................

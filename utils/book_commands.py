@@ -46,7 +46,8 @@ from utils.notebook_times import cell_sources
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ("README.md", "book/how_to_run.md", "book/cheat_sheet.md", "book/intro.md",
          "examples/slurm/README.md")
-NOTEBOOKS = ("notebooks/11_cifar10_ddp.ipynb", "notebooks/12_surviving_a_cluster.ipynb")
+NOTEBOOKS = ("notebooks/11_cifar10_ddp.ipynb", "notebooks/12_exact_resume.ipynb",
+             "notebooks/13_restarts_and_slurm.ipynb")
 SBATCH = "examples/slurm/train_cifar10.sbatch"
 # each script as the book runs it, and the file that holds its argparse and BASE_LR
 SCRIPTS = {"train_ddp.py": "examples/train_ddp.py",

@@ -61,7 +61,7 @@ class CustomDataset(Dataset):
         return self.len
 
 
-# --- chapter 5: workers, start methods, processes per job, what spawn copies ----------
+# --- chapter 6: workers, start methods, processes per job, what spawn copies ----------
 
 class WhoLoaded(Dataset):
     def __len__(self):
@@ -72,7 +72,7 @@ class WhoLoaded(Dataset):
         return index, -1 if info is None else info.id
 
 
-SCALE = 1  # a module-level setting; chapter 5 changes it at run time
+SCALE = 1  # a module-level setting; chapter 6 changes it at run time
 
 
 class WhatWorkersSee(Dataset):
@@ -101,7 +101,7 @@ def worker_stderr() -> Iterator[io.StringIO]:
     """Collect what processes started in the block write to their stderr (descriptor 2).
 
     A worker that dies while it starts prints its traceback there, outside Python's
-    ``sys.stderr``; chapter 5 shows its last line instead of a page of paths.
+    ``sys.stderr``; chapter 6 shows its last line instead of a page of paths.
     """
     collected = io.StringIO()
     sys.stderr.flush()
@@ -150,7 +150,7 @@ class CopiedOrShared(Dataset):
         return self.array[:4].tolist()                        # what its copy holds
 
 
-# --- chapter 6: seeding and reproducibility -------------------------------------------
+# --- chapter 7: seeding and reproducibility -------------------------------------------
 
 class WorkerSeeds(Dataset):
     def __len__(self):
@@ -244,7 +244,7 @@ class EpochKeyed(AugmentedSamples):
         return index, int(torch.randint(0, 1_000_000, (), generator=g))
 
 
-# --- chapter 7: IterableDataset -------------------------------------------------------
+# --- chapter 8: IterableDataset -------------------------------------------------------
 
 class Numbers(IterableDataset):
     def __init__(self, n):
@@ -271,7 +271,7 @@ class ShardByRank(Numbers):
         return iter(range(self.rank, self.n, self.world_size))
 
 
-# --- chapter 7: configuring each worker's copy in worker_init_fn ----------------------
+# --- chapter 8: configuring each worker's copy in worker_init_fn ----------------------
 
 class RangeStream(IterableDataset):
     """Yields start, ..., end - 1; a worker_init_fn may narrow its copy's range."""
@@ -298,7 +298,7 @@ def split_range_per_worker(worker_id):
     stream.end = start + size * (g + 1) // total
 
 
-# --- chapter 13: loader throughput ----------------------------------------------------
+# --- chapter 14: loader throughput ----------------------------------------------------
 
 class IndexPid(Dataset):
     """Sample i is (i, the id of the process that loaded it), for ``n`` samples."""

@@ -31,7 +31,7 @@ NCCL versions, the command, the date, the commit, every check's result and secon
    once uninterrupted and once with a rank killed mid-epoch and restarted by
    ``torchrun --max-restarts=1``: with ``--deterministic`` the two must end
    bit-identical;
-4. ``loader_bench``: ``python -m utils.bench loader --quick`` on the GPU (chapter 13's
+4. ``loader_bench``: ``python -m utils.bench loader --quick`` on the GPU (chapter 14's
    loaders, the GPU-resident one among them);
 5. ``throughput``: ``utils.step_bench``: the script's own epoch loop against a bare
    DDP loop in the same processes, over the same batches (no SyncBN, no mid-epoch

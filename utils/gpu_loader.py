@@ -13,7 +13,7 @@ host synchronisation. Each batch is then two slices of the result; the next epoc
 plan is made while the first batch trains. The same code runs on CPU tensors, which
 is how it is tested.
 
-Public names (stable; the benchmark and chapter 13 import them):
+Public names (stable; the benchmark and chapter 14 import them):
 
 - ``GPULoader(images, labels, batch_size, ...)``: the loader. ``set_epoch(epoch,
   start_batch=0)`` then iterate: ``(images, labels)`` batches on the device, float32

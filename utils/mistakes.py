@@ -1,38 +1,20 @@
-"""Helpers of the common-mistakes appendix: catch a hang, turn on DETAIL checks,
-trim errors.
+"""Finding a mismatch of collectives (chapter 4): DETAIL checks in a rank, torch's
+error trimmed.
 
-- ``hangs(fn, world_size, *args)`` runs ``fn`` on local ranks and reports a hang as a
-  fact (``True`` and the ranks still waiting) instead of a timing;
 - ``detail_group()`` gives this rank a process group checked as
   ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checks the default group of a ``torchrun`` job;
 - ``mismatch_report(message)`` keeps the lines of torch's "Detected mismatch between
-  collectives" error that do not depend on the machine;
-- ``audit_summary(audit)`` prints an ``audit_shards`` result in one line.
+  collectives" error that do not depend on the machine.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Any, Callable
 
 import torch.distributed as dist
 
-from .audit import ShardAudit
-from .launch import RankTimeoutError, run_distributed
-
-__all__ = ["hangs", "detail_group", "mismatch_report", "audit_summary"]
-
-
-def hangs(fn: Callable[..., Any], world_size: int, *args: Any,
-          timeout: float = 5.0) -> tuple[bool, list[int]]:
-    """``(True, ranks still running)`` if ``fn`` on ``world_size`` ranks is not done in
-    ``timeout`` seconds, else ``(False, [])``; the ranks are stopped either way."""
-    try:
-        run_distributed(fn, world_size, *args, timeout=timeout)
-    except RankTimeoutError as err:
-        return True, list(err.pending)
-    return False, []
+__all__ = ["detail_group", "mismatch_report"]
 
 
 def detail_group(level: str = "DETAIL"):
@@ -78,16 +60,3 @@ def mismatch_report(message: str) -> str:
         lines.append("  differ in: " + " ".join(differ.split()))
     return "\n".join(lines)
 
-
-def audit_summary(audit: ShardAudit, limit: int = 4) -> str:
-    """One line of an ``audit_shards`` result: per-rank counts, what was never seen
-    or repeated."""
-    def short(items):
-        items = list(items)
-        return ("[" + ", ".join(map(str, items[:limit]))
-                + (", ...]" if len(items) > limit else "]"))
-
-    return (f"per rank {list(audit.counts)} | never seen {len(audit.missing)} | "
-            f"repeated {len(audit.duplicates)}"
-            + (f": {short(audit.duplicates)}" if audit.duplicates else "")
-            + f" | partition: {audit.is_partition}")

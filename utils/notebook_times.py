@@ -45,8 +45,10 @@ def toc_notebooks(toc: pathlib.Path = ROOT / "_toc.yml") -> list[pathlib.Path]:
     return found
 
 
-def time_notebook(path: pathlib.Path, timeout: int = 1800) -> float:
+def time_notebook(path: pathlib.Path, timeout: int = 1800, save: bool = False) -> float:
     """Execute a copy of the notebook in a fresh kernel; return its wall time (s).
+    ``save``: write the executed notebook, its new outputs, back to ``path`` (after
+    the clock stops), so one run gives both the time and the stored outputs.
 
     Raises the kernel's error if a cell fails, so a broken chapter is never timed.
     """
@@ -57,7 +59,10 @@ def time_notebook(path: pathlib.Path, timeout: int = 1800) -> float:
                             resources={"metadata": {"path": str(path.parent)}})
     start = time.perf_counter()
     client.execute()
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if save:
+        nbformat.write(nb, path)
+    return seconds
 
 
 def minutes_label(seconds: float) -> str:
@@ -179,9 +184,12 @@ def main(argv: list[str] | None = None) -> int:
                              "book/results/notebook_times_cpu.json")
     parser.add_argument("--only", nargs="+", metavar="NOTEBOOK",
                         help="time only these notebooks (paths as in _toc.yml, e.g. "
-                             "notebooks/15_streams_of_shards.ipynb) and keep the "
+                             "notebooks/16_streams_of_shards.ipynb) and keep the "
                              "others' times from --out, each with the date it was "
                              "measured")
+    parser.add_argument("--save-outputs", action="store_true",
+                        help="also write each executed notebook back, with its new "
+                             "outputs (one run for the time and the stored outputs)")
     args = parser.parse_args(argv)
     if args.reading_only:
         INTRO.write_text(intro_with_reading(INTRO.read_text(), reading_words()))
@@ -191,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     times, timed = _earlier(args.out) if args.only else ({}, {})
     now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     for path in _chosen(args.only):
-        seconds = time_notebook(path)
+        seconds = time_notebook(path, save=args.save_outputs)
         name = path.relative_to(ROOT).as_posix()
         times[name], timed[name] = round(seconds, 1), now
         print(f"{name}: {seconds:.1f} s ({minutes_label(seconds)})", flush=True)

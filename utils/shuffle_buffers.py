@@ -1,5 +1,5 @@
 """How well a shuffle buffer shuffles a stream of shards, measured on the libraries' own
-shuffles (chapter 15).
+shuffles (chapter 16).
 
 A stream cannot jump: it reads shards one after the other, and shuffles with a buffer of
 ``k`` samples, from which each sample it yields is drawn. The orders measured here are

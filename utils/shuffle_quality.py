@@ -17,7 +17,7 @@ its Feistel network forced at small ``n`` (what ``n > EXACT_MAX_N`` gets), the
 4-round network of the sampler's first version (kept here only to measure it), and
 ``torch.randperm`` seeded as ``DistributedSampler`` seeds it. The tests in
 ``tests/test_permutation_sampler.py`` hold the first two to ``torch.randperm``'s
-thresholds; chapter 14 prints the table.
+thresholds; chapter 15 prints the table.
 """
 
 from __future__ import annotations

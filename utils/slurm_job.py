@@ -1,5 +1,5 @@
 """The SLURM recipe's jobs on the test cluster (``utils.slurm_cluster``), for its tests
-(``tests/test_slurm_recipe.py``) and chapter 12's record of one job's life:
+(``tests/test_slurm_recipe.py``) and chapter 13's record of one job's life:
 
     python -m utils.slurm_job --out book/results/slurm_job_cpu.json
 

@@ -1,6 +1,6 @@
 """Streams of shards: the CIFAR-10 stand-in written by WebDataset's and Hugging Face
 ``datasets``' own writers, served over HTTP on loopback, and read back by ranks and
-workers through each library's remote path (chapter 15).
+workers through each library's remote path (chapter 16).
 
 - ``write_webdataset`` / ``write_parquet``: ``shards`` shards of consecutive indices
   (``numpy.array_split``'s sizes), each sample carrying its index, so that what a

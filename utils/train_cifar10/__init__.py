@@ -47,22 +47,22 @@ Each epoch rank 0 writes one JSON line to ``OUT/metrics.jsonl``: ``epoch``, ``st
 or paths) instead of ``--data``'s training set, with the same augmentation and the same
 number of steps on every rank (``shards``); it resumes at epoch ends only.
 
-The modules follow the sections of chapter 12, each of which names its module:
+The modules follow the sections of chapters 12 and 13, each of which names its module:
 
     settings      the command line (``--help``)
     recipe        the model, the batch split, the learning-rate schedule (chapter 11)
     augment       step 1: augmentation keyed by (seed, epoch, index)
     checkpoints   step 2: atomic checkpoints, EpochSampler, what a resume must repeat
     per_node      step 3: data per node; rank 0 decides whether to resume
-    restarts      step 4: a store per attempt; timeouts that turn a hang into a restart
-    preemption    step 4: a signal, one agreed checkpoint, exit code 75
-    loaders       step 5: the GPU loader, or DataLoader workers
+    restarts      (chapter 13) a store per attempt; timeouts: a hang becomes a restart
+    preemption    (chapter 13) a signal, one agreed checkpoint, exit code 75
+    loaders       step 4: the GPU loader, or DataLoader workers
     shards        --data-format webdataset: tar shards, as many steps on every rank
-    launcher      launching it: checks of torchrun, srun and the GPUs; the process group
+    launcher      (chapter 13) checks of torchrun, srun and the GPUs; the process group
     steps         the run, one named step after another (``main``, ``run``)
 
 Every name they define is a name of this package too (``utils.train_cifar10.main``), and
-setting one here (a test's ``monkeypatch.setattr``, chapter 12's preemption demo that
+setting one here (a test's ``monkeypatch.setattr``, chapter 13's preemption demo that
 wraps ``train_step``) sets it in every module of the package that uses it, as it did
 when the script was one file.
 """

@@ -1,4 +1,4 @@
-"""Launching it: checks before any work; the process group.
+"""Launching (chapter 13): checks first; the process group.
 
 What the launcher and the machine are checked for: one GPU per process, a fixed number
 of nodes, no ``srun`` without torchrun, a ``--compile`` that can work."""

@@ -1,4 +1,4 @@
-"""Hardening step 5: the training loader, GPU or workers.
+"""Hardening step 4: the training loader, GPU or workers.
 
 Which training loader (``choose_loader``), DataLoader workers that a scheduler's signal
 leaves alone, and the loader itself (the GPU loader, or a DataLoader over an
@@ -80,7 +80,7 @@ def eval_workers(workers: int) -> int:
     the training ones.
 
     They sit idle while the training workers run, but they are processes: a node runs
-    ``processes per node x (1 + workers + eval_workers(workers))`` of them (chapter 12's
+    ``processes per node x (1 + workers + eval_workers(workers))`` of them (chapter 13's
     CPU budget).
     """
     return min(workers, 2)

@@ -1,4 +1,4 @@
-"""Preemption (step 4): an agreed checkpoint, exit code 75.
+"""Preemption (chapter 13): an agreed checkpoint, exit code 75.
 
 A scheduler's signal becomes one stop that every rank agrees on, one checkpoint,
 ``preempted.json`` and exit code 75; a restart of the same run after it stops again."""

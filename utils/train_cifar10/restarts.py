@@ -1,4 +1,4 @@
-"""Hardening step 4: a dead rank, restarted by torchrun.
+"""A dead rank, restarted by torchrun (chapter 13).
 
 Under torchrun's restarts every attempt gets a store of its own (``attempt_store``),
 and after the first step a collective that hangs fails the rank
@@ -24,9 +24,10 @@ def init_process_group(backend: str, device: torch.device | None = None,
 
     torchrun (2.14) keeps the store at ``MASTER_ADDR:MASTER_PORT`` across restarts, so
     restarted ranks that share it can read the addresses of the processes that died and
-    dial them (chapter 12 shows it). Numbering the attempts does not fix that for good:
-    ``TORCHELASTIC_RESTART_COUNT`` differs between nodes (only the agent whose worker
-    failed counts a restart), and a count kept in the store is shifted for ever by a
+    dial them (chapter 13 shows it). Numbering the attempts does not fix that for good:
+    ``TORCHELASTIC_RESTART_COUNT`` can differ between nodes (an agent counts a restart
+    when its own workers failed; one whose workers were healthy does not), and a count
+    kept in the store is shifted for ever by a
     process that dies before it adds its 1. So every attempt gets a fresh store
     (``attempt_store``), and nothing of a dead attempt can be read.
     """
