@@ -198,8 +198,12 @@ def figure_problems(path):
                             f"saying what the picture shows), got {alt!r}")
         if not str(figure.get("caption", "")).strip():
             problems.append(f"{where}: no caption (mystnb.figure.caption)")
-        if not FIGURE_NAME.match(str(figure.get("name", ""))):
-            problems.append(f"{where}: no figure name like 'fig-03-four-epochs' "
+        # the name carries the chapter's number (or 'appendix'): a renumbered
+        # chapter's figures follow it
+        prefix = "fig-%s-" % path.name.split("_")[0]
+        name = str(figure.get("name", ""))
+        if not FIGURE_NAME.match(name) or not name.startswith(prefix):
+            problems.append(f"{where}: no figure name like '{prefix}four-epochs' "
                             f"(mystnb.figure.name), got {figure.get('name')!r}")
         # myst-nb wraps every rich output of the cell in the figure: one, or the name
         # would label several figures
