@@ -1,7 +1,7 @@
 """Seeding for reproducible, non-repeating randomness across ranks, workers, epochs
 and restarts.
 
-Three rules, each backed by a demonstration in chapter 6 (notebooks/07_seeding.ipynb):
+Three rules, each backed by a demonstration in chapter 7 (notebooks/07_seeding.ipynb):
 
 1. The *sampler's* seed is shared by all ranks (so shards partition the data); the seed
    of everything else (augmentations, dropout) differs per
