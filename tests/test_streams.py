@@ -213,3 +213,16 @@ def test_webdataset_stream_shuffles_by_seed_and_epoch(served):
 
     assert order(0) == order(0) != order(1)
     assert sorted(order(1)) == list(range(16))
+
+
+def test_datasets_shuffle_follows_the_epoch_through_the_readers_map(served):
+    """read_epoch adds a column with .map; the epoch must survive it (issue: a .map after
+    set_epoch gave epoch 1 epoch 0's order)."""
+    def order(epoch):
+        read = streams.read_epoch("parquet", served["parquet", 8], 1, 0, shuffle=16,
+                                  seed=3, epoch=epoch)
+        return read.per_rank()[0]
+
+    first, second = order(0), order(1)
+    assert sorted(first) == sorted(second) == list(range(64))
+    assert first != second

@@ -256,7 +256,7 @@ def _hf_worker(row: dict) -> dict:
 
 
 def hf_stream(urls, rank: int, world_size: int, shuffle: int = 0, seed: int = 0,
-              epoch: int = 0, strategy: str = "auto"):
+              epoch: int = 0, strategy: str = "auto", transform=None):
     """Hugging Face ``datasets``' stream over the Parquet ``urls``, as its
     documentation writes it for several nodes: ``load_dataset("parquet", ...,
     streaming=True)``, then ``split_dataset_by_node`` (``strategy="auto"``: whole
@@ -264,7 +264,10 @@ def hf_stream(urls, rank: int, world_size: int, shuffle: int = 0, seed: int = 0,
     ``world_size``-th example of every shard; ``"shards"``: whole shards always),
     ``shuffle(seed, buffer_size=k)`` and ``set_epoch(epoch)`` when ``shuffle=k``.
     DataLoader workers get whole shards of the rank's part. Yields dicts of
-    ``index``, ``image`` (bytes) and ``label``."""
+    ``index``, ``image`` (bytes) and ``label``, with ``transform``'s columns added
+    (``datasets.IterableDataset.map``). The epoch is set last: a ``.map`` after
+    ``set_epoch`` returns a data set at epoch 0 again (datasets 5.2.0), which would
+    shuffle every epoch in epoch 0's order."""
     import datasets
     from datasets.distributed import split_dataset_by_node
 
@@ -272,9 +275,11 @@ def hf_stream(urls, rank: int, world_size: int, shuffle: int = 0, seed: int = 0,
     ds = datasets.load_dataset("parquet", data_files={"train": list(urls)},
                                split="train", streaming=True)
     ds = split_dataset_by_node(ds, rank=rank, world_size=world_size, strategy=strategy)
+    if transform is not None:
+        ds = ds.map(transform)
     if shuffle:
         ds = ds.shuffle(seed=seed, buffer_size=shuffle)
-        ds.set_epoch(epoch)
+    ds.set_epoch(epoch)
     return ds
 
 
@@ -304,7 +309,7 @@ def _make_loader(fmt: str, urls, workers: int, batch_size: int, options: dict,
     if fmt == "webdataset":
         ds = webdataset_stream(urls, **options)
     else:
-        ds = hf_stream(urls, rank, world, **options).map(_hf_worker)
+        ds = hf_stream(urls, rank, world, transform=_hf_worker, **options)
     if state is None:
         # workers start as run_distributed arranges (the caller's start method)
         return DataLoader(ds, batch_size=batch_size, num_workers=workers)
