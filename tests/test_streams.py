@@ -9,7 +9,8 @@ import pytest
 
 from utils import streams
 from utils.audit import audit_shards
-from utils.shuffle_buffers import buffer_orders, buffer_table
+from utils.shuffle_buffers import (buffer_orders, buffer_resume_losses, buffer_table,
+                                   reader_table, shard_owners)
 
 LIBRARIES = ("webdataset", "parquet")
 WRITERS = {"webdataset": streams.write_webdataset, "parquet": streams.write_parquet}
@@ -203,6 +204,49 @@ def test_webdatasets_shard_shuffle_repeats_each_epoch_unless_workers_persist(ser
     first, second = streams.webdataset_shard_orders(served["webdataset", 8],
                                                     persistent=True)
     assert first != second
+    # the default, detshuffle=False: a seed fixed at construction, the same order always
+    first, second = streams.webdataset_shard_orders(served["webdataset", 8],
+                                                    persistent=True, detshuffle=False)
+    assert first == second != sorted(first)
+
+
+def test_a_buffer_mixes_only_what_feeds_it():
+    """datasets' buffer fed from 1 shard at a time mixes fewer shards than from its
+    default 10; a reader of 4 holds a quarter of the shards and mixes only those."""
+    many, one = (buffer_orders("datasets", 2000, 20, 100, [0], input_shards=i)
+                 for i in (10, 1))
+    bounds = streams.shard_bounds(2000, 20)
+    mixed = [len({s for s, (a, b) in enumerate(bounds) for i in row[:64] if a <= i < b})
+             for row in (many[0], one[0])]
+    assert mixed[0] > mixed[1] + 3
+    mine = buffer_orders("webdataset", 2000, 20, 1000, [0], readers=4)[0]
+    assert sorted(mine) == [i for s in range(0, 20, 4) for i in range(*bounds[s])]
+    rows = reader_table(n=2000, shards=20, readers=(1, 4), ks=(1000,), seeds=[0])
+    assert rows[0]["shards per batch"] > rows[1]["shards per batch"] + 5
+    assert rows[1]["shards held"] == 5
+
+
+def test_who_reads_which_shard_across_epochs(served):
+    """WebDataset's shard shuffle follows the split (owners fixed all run); the shard list
+    seeded by the epoch before the split, and datasets with a seed, deal anew and stay
+    partitions; datasets with seed=None lets ranks overlap."""
+    def partitions(owners):
+        return all(sorted(a + b) == list(range(8)) for a, b in owners)
+
+    fixed = shard_owners("webdataset", served["webdataset", 8], 64, 2, epochs=2)
+    assert fixed[0] == fixed[1] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    for way, fmt in (("webdataset list seeded by epoch", "webdataset"),
+                     ("datasets", "parquet")):
+        owners = shard_owners(way, served[fmt, 8], 64, 2, epochs=3)
+        assert partitions(owners) and len({str(epoch) for epoch in owners}) > 1, way
+    # three epochs, each 1 in 70 to come out disjoint by chance
+    assert not partitions(shard_owners("datasets seed=None", served["parquet", 8], 64, 2))
+    assert "RANK" not in os.environ
+
+
+def test_a_resumed_buffer_loses_nothing_before_it_fills_and_about_a_buffer_after(served):
+    rows = buffer_resume_losses(served["parquet", 8], 64, ks=(16,), stops=(1, 3))
+    assert [(r["lost"], r["repeated"]) for r in rows] == [(0, 0), (9, 1)]
 
 
 def test_webdataset_stream_shuffles_by_seed_and_epoch(served):

@@ -63,7 +63,7 @@ def _stream(fmt: str, urls: list[str]):
     """One process's stream of ``fmt`` over ``urls``, images decoded to tensors."""
     if fmt == "webdataset":
         return streams.webdataset_stream(urls)  # yields (worker, index, image, label)
-    return streams.hf_stream(urls, rank=0, world_size=1).map(_decode_row)
+    return streams.hf_stream(urls, rank=0, world_size=1, transform=_decode_row)
 
 
 def _batch_images(fmt: str, batch) -> int:
