@@ -110,7 +110,7 @@ test-notebooks: $(STAMP)
 # whose workers start from the training scripts' own fork servers under any start method, runs in
 # the fork pass only. tests/test_notebooks.py fails if a chapter that starts workers is in neither
 # list. make test-utils-spawn runs the utils tests under spawn, as a Mac runs them.
-PORTABLE_NOTEBOOKS := 00_the_picture 03_set_epoch 07_seeding 08_iterable_datasets 10_ddp_from_scratch 14_loader_throughput 15_permutation_sampler 16_streams_of_shards appendix_ddp_internals
+PORTABLE_NOTEBOOKS := 00_the_picture 03_set_epoch 07_seeding 08_iterable_datasets 10_ddp_from_scratch 14_loader_throughput 15_permutation_sampler 16_streams_of_shards appendix_ddp_internals appendix_streams_in_production
 SPAWN_NOTEBOOKS := 06_workers
 # chapters that start workers only through scripts that choose their own start method
 OWN_START_NOTEBOOKS := 11_cifar10_ddp 12_exact_resume 13_restarts_and_slurm
@@ -143,6 +143,8 @@ bench: $(STAMP)
 		--synthetic --synthetic-size 512 256 --global-batch 8 --workers 0 --loader gpu --rounds 9 \
 		--data runs/step_bench/data --out runs/step_bench/out --result book/results/step_overhead_cpu.json
 	$(BIN)/python -m utils.stream_bench --out book/results/stream_throughput_cpu.json
+	$(BIN)/python -m utils.stream_faults --out book/results/stream_faults_cpu.json
+	$(BIN)/python -m utils.shard_index --out book/results/shard_index_cpu.json
 
 clean:
 	rm -rf _build

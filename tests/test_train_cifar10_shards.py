@@ -1,7 +1,9 @@
 """The CIFAR-10 script on WebDataset tar shards (`--data-format webdataset --shards URLS`): its
-refusals, 2 CPU ranks training from shards served over HTTP, each sample of an epoch trained
-on exactly once (as the image KeyedAugment makes of it), the same steps on every rank when
-the ranks' shards hold different numbers of samples, and a resume at an epoch's end only."""
+refusals, the shards' counts from their manifest (no read at the start) or else a counting
+read, 2 CPU ranks training from shards served over HTTP, each sample of an epoch trained on
+exactly once (as the image KeyedAugment makes of it), the same steps on every rank when the
+ranks' shards hold different numbers of samples, and a resume mid-epoch by seeded replay
+that ends with the weights of a run that never stopped."""
 
 import hashlib
 import json
@@ -12,11 +14,13 @@ import numpy as np
 import pytest
 import torch
 
+import utils.train_cifar10 as train
 from utils import forkrun
 from utils.data import load_cifar10, write_synthetic_cifar10
+from utils.manifest import write_manifest
 from utils.streams import ShardServer, write_webdataset
-from utils.train_cifar10 import (KeyedAugment, check_dealing, expand_shards, parse_args,
-                                 steps_per_epoch)
+from utils.train_cifar10 import (KeyedAugment, batches_taken, check_dealing,
+                                 expand_shards, parse_args, steps_per_epoch)
 from test_train_cifar10 import in_process  # main(argv) in this process
 
 # the runs start 2 ranks, each with DataLoader workers (tests/conftest.py's group)
@@ -38,11 +42,12 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(data, tmp_path_factory):
-    """The stand-in's training images as 8 WebDataset shards of 64, served over HTTP:
-    (server, the --shards brace pattern of their URLs)."""
+    """The stand-in's training images as 8 WebDataset shards of 64 and their manifest,
+    served over HTTP: (server, the --shards brace pattern of their URLs)."""
     train = load_cifar10(data, train=True)
     folder = str(tmp_path_factory.mktemp("shards"))
     names = write_webdataset(folder, train.data, np.asarray(train.targets), SHARDS)
+    write_manifest(folder, names)
     with ShardServer(folder) as server:
         assert server.urls(names)[-1] == server.url(f"train-{SHARDS - 1:06d}.tar")
         yield server, server.url(f"train-{{000000..{SHARDS - 1:06d}}}.tar")
@@ -66,9 +71,7 @@ def ok(done):
     (["--shards", "a.tar"], "--shards is for --data-format webdataset"),
     (["--data-format", "webdataset", "--shards", "a.tar", "--loader", "gpu"],
      "--loader gpu keeps a CIFAR-format training set on the device"),
-    (["--data-format", "webdataset", "--shards", "a.tar", "--checkpoint-every", "4"],
-     "--checkpoint-every writes checkpoints mid-epoch, and --data-format webdataset "
-     "cannot resume from one"),
+    (["--manifest", "m.json"], "--manifest is for --data-format webdataset"),
 ])
 def test_the_command_line_refuses_what_a_stream_of_shards_cannot_do(args, message, capsys):
     with pytest.raises(SystemExit):
@@ -83,6 +86,9 @@ def test_shards_are_a_brace_pattern_or_a_comma_list():
         "a.tar", "b-0.tar", "b-1.tar", "c.tar", "d.tar"]
     args = parse_args(["--data-format", "webdataset", "--shards", "s-{0..3}.tar"])
     assert (args.data_format, args.loader) == ("webdataset", "auto")
+    args = parse_args(["--data-format", "webdataset", "--shards", "a.tar",
+                       "--checkpoint-every", "4", "--manifest", "http://h:1/m.json"])
+    assert (args.checkpoint_every, args.manifest) == (4, "http://h:1/m.json")
     assert parse_args([]).data_format == "cifar"
 
 
@@ -107,6 +113,72 @@ def test_every_rank_runs_the_least_number_of_whole_batches_of_any_rank():
     assert steps_per_epoch(counts, 1, 2, 32) == 2 * (192 // 32)
     # each worker drops its last partial batch: 127 // 32 + 126 // 32, not 253 // 32
     assert steps_per_epoch([64, 63, 63, 63], 1, 2, 32) == 6
+
+
+def test_after_s_steps_each_worker_has_given_its_turns_of_them_passing_over_ended_ones():
+    # torch's in-order DataLoader asks its workers in turn: batch i from worker i % W
+    assert batches_taken([4, 4], 0) == ([0, 0], 0)
+    assert batches_taken([4, 4], 3) == ([2, 1], 1)
+    assert batches_taken([4, 4, 4], 7) == ([3, 2, 2], 1)
+    # worker 0 ends after 1 batch: from then on the others take their turns
+    assert batches_taken([1, 3, 2], 5) == ([1, 2, 2], 1)
+    assert batches_taken([1, 3, 2], 6) == ([1, 3, 2], 2)  # all ended
+    with pytest.raises(ValueError, match="steps=7 is out of range"):
+        batches_taken([1, 3, 2], 7)
+
+
+def open_shards(*argv):
+    """open_shards for one process of batch 64, in this process: (stream, why, said)."""
+    import contextlib
+    import io
+
+    job = train.Job(False, 0, 0, 1, torch.device("cpu"), 64, False)
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        stream, why = train.open_shards(parse_args([*RUN, *argv]), job)
+    return stream, why, said.getvalue()
+
+
+def test_counts_come_from_the_manifest_beside_the_shards_without_reading_them(
+        served, monkeypatch):
+    def no_read(url):
+        raise AssertionError(f"{url} was read to count its samples")
+    monkeypatch.setattr(train, "count_samples", no_read)
+    stream, why, said = open_shards("--shards", served[1])
+    assert stream.counts == [64] * SHARDS and stream.steps_per_epoch == 8
+    assert why.endswith(f"counts from {served[0].url('manifest.json')}") and said == ""
+
+
+def test_without_a_manifest_the_shards_are_read_to_count_and_the_run_says_how_to_write_one(
+        data, tmp_path):
+    train_set = load_cifar10(data, train=True)
+    folder = tmp_path / "shards"
+    names = write_webdataset(str(folder), train_set.data[:128],
+                             np.asarray(train_set.targets[:128]), 2)
+    stream, why, said = open_shards("--shards", str(folder / "train-{000000..000001}.tar"))
+    assert stream.counts == [64, 64] and why.endswith("counts read from the shards")
+    assert said.startswith(f"--data-format webdataset: no manifest at {folder}/manifest.json: "
+                           f"reading every shard to count its samples; write one")
+    command = said.split("python -c ", 1)[1].strip()[1:-1]  # the quoted program
+    exec(command, {})  # as written, it writes the manifest of these shards
+    assert [e["name"] for e in json.load(open(folder / "manifest.json"))["shards"]] == names
+    _, why, said = open_shards("--shards", str(folder / "train-{000000..000001}.tar"))
+    assert why.endswith(f"counts from {folder}/manifest.json") and said == ""
+
+
+def test_a_manifest_that_does_not_list_a_shard_or_is_not_there_is_refused_naming_it(
+        data, served, tmp_path):
+    train_set, other = load_cifar10(data, train=True), tmp_path / "other"
+    write_manifest(str(other), write_webdataset(str(other), train_set.data[:8],
+                                                np.asarray(train_set.targets[:8]), 1))
+    with pytest.raises(SystemExit) as refused:
+        open_shards("--shards", served[1], "--manifest", str(other / "manifest.json"))
+    assert str(refused.value).startswith(
+        f"error: shard train-000001.tar ({served[0].url('train-000001.tar')}) is not in "
+        f"the manifest {other}/manifest.json, which lists 1 shard(s) (train-000000.tar)")
+    missing = served[0].url("no-manifest.json")  # named with --manifest: required
+    with pytest.raises(SystemExit, match=f"error: --manifest {missing}: HTTP Error 404"):
+        open_shards("--shards", served[1], "--manifest", missing)
 
 
 # --- 2 ranks x 2 workers, shards over HTTP ------------------------------------------------
@@ -148,8 +220,8 @@ def test_two_ranks_train_two_epochs_from_shards_over_http(two_ranks):
     out, done, _ = two_ranks
     assert ("512 train images in 8 WebDataset shards; synthetic CIFAR-10 in" in done.stdout
             and "256 test images; 2 process(es)" in done.stdout)
-    assert ("8 shards dealt to 2 process(es) x 2 reader(s); 512 of 512 images an epoch"
-            in done.stdout)
+    assert ("8 shards dealt to 2 process(es) x 2 reader(s); 512 of 512 images an epoch; "
+            "counts from http://127.0.0.1:" in done.stdout)
     lines = metrics_lines(out)
     assert [(m["epoch"], m["step"], m["loader"]) for m in lines] == [
         (1, 8, "webdataset"), (2, 16, "webdataset")]  # 8 x 64 = 512 images an epoch
@@ -218,38 +290,37 @@ def test_ranks_whose_shards_hold_different_numbers_of_samples_run_the_same_steps
     assert [m["step"] for m in metrics_lines(out)] == [4]
 
 
-# --- resuming: at an epoch's end only ------------------------------------------------------
+# --- resuming mid-epoch: a seeded replay ------------------------------------------------
 
-def test_a_stop_mid_epoch_keeps_the_epochs_checkpoint_which_resumes_exactly_and_a_mid_epoch_one_is_refused(
-        data, tmp_path):
-    """One process, no workers, 128 images in 2 local shards: 4 steps of 32 an epoch."""
-    train = load_cifar10(data, train=True)
-    write_webdataset(str(tmp_path / "shards"), train.data[:128],
-                     np.asarray(train.targets[:128]), 2)
-    one = ["--data", data, "--shards", str(tmp_path / "shards/train-{000000..000001}.tar"),
-           "--epochs", "2", "--workers", "0", *RUN, "--global-batch", "32"]
+def test_a_run_stopped_mid_epoch_with_workers_resumes_by_replay_to_the_weights_of_one_that_never_stopped(
+        data, served, tmp_path):
+    """One process, 2 workers of 4 shards (4 batches of 64 each, over HTTP): 8 steps an
+    epoch, 2 epochs. Stopped after step 11 (step 3 of epoch 2: worker 0 has given 2
+    batches, worker 1 one, and worker 1 gives the next), with a checkpoint every step."""
+    one = ["--data", data, "--shards", served[1], "--epochs", "2", "--workers", "2",
+           *RUN, *BATCH]
     whole, stopped = str(tmp_path / "whole"), str(tmp_path / "stopped")
     assert in_process(*one, "--out", whole)[1] is None
-    said, error = in_process(*one, "--out", stopped, "--stop-at-step", "6")  # in epoch 1
+    _, error = in_process(*one, "--out", stopped, "--checkpoint-every", "1",
+                          "--stop-at-step", "11")
     assert error is None
-    assert "no checkpoint mid-epoch" in said
     path = os.path.join(stopped, "checkpoint.pt")
     state = torch.load(path, weights_only=True)
-    assert (state["epoch"], state["step_in_epoch"], state["step"]) == (1, 0, 4)
+    assert (state["epoch"], state["step_in_epoch"], state["step"]) == (1, 3, 11)
+    # another split of the shards cannot replay the epoch: refused, with the fix
+    _, error = in_process(*one, "--out", stopped, "--resume", "--workers", "1")
+    assert error is not None and (
+        "it was written mid-epoch (step 3 of epoch 1) by 1 process(es) x 2 reader(s) "
+        "(--workers), and this run has 1 x 1" in error)
     said, error = in_process(*one, "--out", stopped, "--resume")
-    assert error is None and "resumed from" in said and "epoch 2, step 0" in said
+    assert error is None and "resumed from" in said and "epoch 2, step 3" in said
     final = [torch.load(os.path.join(out, "model_final.pt"), weights_only=True)
              for out in (whole, stopped)]
-    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0]), (
+        "the resumed run's weights differ from the uninterrupted run's")
     assert metrics_lines(stopped)[-1]["train_loss"] == metrics_lines(whole)[-1]["train_loss"]
-    # a checkpoint written mid-epoch (as --checkpoint-every would) is refused
-    state.update(step_in_epoch=3, step=7)
-    torch.save(state, path)
-    _, error = in_process(*one, "--out", stopped, "--resume")
-    assert error is not None and "it was written mid-epoch (step 3 of epoch 1)" in error
-    # and so is one of a run with another number of steps an epoch (other processes or
-    # --workers; another --global-batch is refused by the checkpoint's settings first)
+    # a checkpoint of a run with another number of steps an epoch is refused too
     state.update(step_in_epoch=0, step=2)
     torch.save(state, path)
     _, error = in_process(*one, "--out", stopped, "--resume")
-    assert error is not None and "its run had 2 steps an epoch, this one has 4" in error
+    assert error is not None and "its run had 2 steps an epoch, this one has 8" in error

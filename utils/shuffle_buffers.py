@@ -230,7 +230,8 @@ def _rank_epochs(way: str, urls, rank: int, world_size: int, epochs: int, seed: 
     """The indices one rank reads in each epoch (``shard_owners``)."""
     from .streams import hf_stream
 
-    kept = _wds_owner_stream(way, urls, seed, 0) if way.startswith("webdataset") else None
+    wds_way = way.startswith("webdataset")
+    kept = _wds_owner_stream(way, urls, seed, 0) if wds_way else None
     for epoch in range(epochs):
         if way == "webdataset list seeded by epoch":
             kept = _wds_owner_stream(way, urls, seed, epoch)
@@ -249,9 +250,9 @@ def shard_owners(way: str, urls, n: int, world_size: int, epochs: int = 3,
     ways, Parquet for the ``datasets`` ones; ``way`` one of ``OWNER_WAYS``). In this
     process, one rank after the other, with ``RANK`` and ``WORLD_SIZE`` set as torchrun
     sets them (WebDataset reads them); a WebDataset rank keeps its data set object
-    across epochs, as a persistent worker does. ``datasets``: ``utils.streams.hf_stream``
-    with a buffer of ``k``, seeded by ``seed`` and ``set_epoch``, or unseeded
-    (``shuffle(buffer_size=k)``, ``seed=None``)."""
+    across epochs, as a persistent worker does. ``datasets``:
+    ``utils.streams.hf_stream`` with a buffer of ``k``, seeded by ``seed`` and
+    ``set_epoch``, or unseeded (``shuffle(buffer_size=k)``, ``seed=None``)."""
     if way not in OWNER_WAYS:
         raise ValueError(f"way must be one of {OWNER_WAYS}, got {way!r}")
     world_size = check_int("world_size", world_size, minimum=1)
@@ -303,6 +304,7 @@ def buffer_resume_losses(urls, n: int, ks=(16, 32), stops=range(1, 13),
         for k in ks:
             for stop in stops:
                 audit = audit_shards([_resumed_read(urls, k, stop, batch)], n)
+                repeated = sum(c - 1 for c in audit.duplicates.values())
                 table.append({"k": k, "stop": stop, "lost": len(audit.missing),
-                              "repeated": sum(c - 1 for c in audit.duplicates.values())})
+                              "repeated": repeated})
     return table

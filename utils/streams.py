@@ -19,15 +19,19 @@ from __future__ import annotations
 import contextlib
 import http.server
 import io
+import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from ._checks import check_int
+from ._checks import check_bool, check_int
 
 __all__ = ["FORMATS", "stand_in", "shard_bounds", "write_webdataset", "write_parquet",
            "ShardServer", "RangeRequestHandler", "serve", "webdataset_stream",
@@ -117,18 +121,44 @@ class ShardServer:
     answering HTTP Range requests as those do (``RangeRequestHandler``): a Parquet
     reader fetches a file's footer first, then the parts it needs.
 
-    Use it as a context manager, or call ``close()``: the server process is stopped
-    and waited for. ``url(name)`` is the address of one file."""
+    Faults, to see what a reader does when the store misbehaves (keywords; shard
+    names are file names in ``folder``):
 
-    def __init__(self, folder: str, timeout: float = 30.0):
+    - ``latency``: seconds slept before every response's head (a round trip);
+    - ``missing``: names answered with ``404 Not Found``;
+    - ``cut``: ``{name: n}``: the connection is shut down after ``n`` bytes of the
+      body of a response for ``name`` that is longer than ``n``;
+    - ``stall``: ``{name: seconds}``: the body stops halfway and the server waits
+      ``seconds`` before sending the rest (``-1``: forever, on every request);
+    - ``once``: ``True`` (the default): ``cut`` and a finite ``stall`` hit the first
+      response for that name only (a transient fault: a retry succeeds); ``False``:
+      every response (a broken path);
+    - ``down``: seconds: from the first request on, the server stops accepting
+      (connections are refused) for that long, then serves again on the same port
+      (the first request itself is answered);
+    - ``truncate``: ``{name: n}``: the file is served as if only its first ``n``
+      bytes had been uploaded (a partial upload; honest ``Content-Length``).
+
+    Use it as a context manager, or call ``close()``: the server process is stopped
+    (killed if it does not stop within 5 s, a stall forever included) and waited
+    for. ``url(name)`` is the address of one file."""
+
+    def __init__(self, folder: str, timeout: float = 30.0, *, latency: float = 0.0,
+                 missing=(), cut: dict | None = None, stall: dict | None = None,
+                 once: bool = True, down: float | None = None,
+                 truncate: dict | None = None):
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"no folder {folder!r} to serve")
         self.folder = folder
+        self.options = _Faults.check(dict(
+            latency=latency, missing=list(missing), cut=cut or {}, stall=stall or {},
+            once=once, down=down, truncate=truncate or {}))
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
         self._proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", "utils.streams", "serve", folder],
+            [sys.executable, "-u", "-m", "utils.streams", "serve", folder,
+             "--options", json.dumps(self.options)],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         line = self._first_line(timeout)
         # "Serving HTTP on 127.0.0.1 port 41234 (http://127.0.0.1:41234/) ..."
@@ -158,6 +188,10 @@ class ShardServer:
     def close(self) -> None:
         if self._proc.poll() is None:
             self._proc.terminate()
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
         self._proc.wait()
         self._proc.stdout.close()
 
@@ -233,16 +267,18 @@ def sample_shard(sample: dict, per_shard: int = 8) -> int:
     return int(sample["__key__"]) // per_shard
 
 
-def webdataset_shard_orders(urls, persistent: bool, epochs: int = 2) -> list[list[int]]:
+def webdataset_shard_orders(urls, persistent: bool, epochs: int = 2,
+                            detshuffle: bool = True) -> list[list[int]]:
     """The shards (``sample_shard``) one DataLoader worker reads in each of ``epochs``
     epochs of WebDataset's own shard shuffle, ``WebDataset(urls, shardshuffle=100,
-    detshuffle=True, seed=0)``, with ``persistent_workers=persistent``."""
+    detshuffle=detshuffle, seed=0)`` (its default is ``detshuffle=False``), with
+    ``persistent_workers=persistent``."""
     import webdataset as wds
     from torch.utils.data import DataLoader
 
     from .workers import worker_context
 
-    ds = wds.WebDataset(urls, shardshuffle=100, detshuffle=True, seed=0).map(
+    ds = wds.WebDataset(urls, shardshuffle=100, detshuffle=detshuffle, seed=0).map(
         sample_shard)
     loader = DataLoader(ds, batch_size=None, num_workers=1,
                         persistent_workers=persistent,
@@ -440,22 +476,111 @@ def assignment_table(read: Read, n: int, shards: int) -> str:
     return "\n".join(lines)
 
 
+class _Faults:
+    """The faults one server process plays (``ShardServer``'s keywords), and what it
+    has played so far: which names have had their one cut or stall, and whether the
+    outage has begun. Shared by the handler threads, under a lock."""
+
+    def __init__(self, options: dict | None = None):
+        self.options = self.check(options or {})
+        self._lock = threading.Lock()
+        self._hit: set = set()
+        self.down_started = False
+        self.stopped = threading.Event()  # the listening socket is closed
+
+    @staticmethod
+    def check(options: dict) -> dict:
+        """``options`` with every key and value checked, and defaults filled in."""
+        known = {"latency": 0.0, "missing": [], "cut": {}, "stall": {}, "once": True,
+                 "down": None, "truncate": {}}
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ValueError(f"unknown server options {unknown}; allowed: "
+                             f"{sorted(known)}")
+        out = {**known, **options}
+        for key in ("latency", "down"):
+            if out[key] is not None and not (isinstance(out[key], (int, float))
+                                             and out[key] >= 0):
+                raise ValueError(f"{key} must be a number of seconds >= 0, got "
+                                 f"{out[key]!r}")
+        for key in ("cut", "truncate"):
+            out[key] = {str(k): check_int(f"{key}[{k!r}]", v, minimum=0)
+                        for k, v in dict(out[key]).items()}
+        for name, seconds in dict(out["stall"]).items():
+            if not (isinstance(seconds, (int, float)) and (seconds > 0
+                                                           or seconds == -1)):
+                raise ValueError(f"stall[{name!r}] must be seconds > 0 or -1 "
+                                 f"(forever), got {seconds!r}")
+        out["missing"] = [str(n) for n in out["missing"]]
+        out["once"] = check_bool("once", out["once"])
+        return out
+
+    def first_request(self) -> bool:
+        """True for the first request this server gets (which starts ``down``)."""
+        with self._lock:
+            first, self.down_started = not self.down_started, True
+            return first
+
+    def plan(self, name: str, size: int) -> tuple[int, float]:
+        """``(bytes to send before the fault, seconds to stall there)`` for a body of
+        ``size`` bytes of ``name``: ``(size, 0)`` when no fault hits it; a cut is a
+        stall of ``0`` seconds followed by a shutdown (``cut_after`` > 0 says so)."""
+        cut = self.options["cut"].get(name)
+        stall = self.options["stall"].get(name)
+        with self._lock:
+            if (self.options["once"] and name in self._hit and stall != -1):
+                return size, 0.0
+            if cut is not None and size > cut:
+                self._hit.add(name)
+                return cut, -2.0  # -2: shut the connection down there
+            if stall is not None and size > 1:
+                self._hit.add(name)
+                return size // 2, float(stall)
+        return size, 0.0
+
+    def release(self, name: str) -> None:
+        """``name``'s fault did not reach a reader: play it again on the next."""
+        with self._lock:
+            self._hit.discard(name)
+
+
 class RangeRequestHandler(http.server.SimpleHTTPRequestHandler):
     """``http.server``'s file handler, answering one byte range (``Range: bytes=a-b``,
-    ``a-`` or ``-n``) with ``206 Partial Content``, as object stores and CDNs do;
-    anything else as ``http.server`` does."""
+    ``a-`` or ``-n``) with ``206 Partial Content``, as object stores and CDNs do,
+    and a whole file with ``200``; anything else (a folder, a missing file) as
+    ``http.server`` does. ``faults`` (a ``_Faults``): the faults it plays."""
+
+    def __init__(self, *args, faults: _Faults | None = None, **kwargs):
+        self.faults = faults or _Faults()
+        super().__init__(*args, **kwargs)  # handles the request
 
     def send_head(self):
-        match = re.fullmatch(r"bytes=(\d*)-(\d*)",
-                             (self.headers.get("Range") or "").strip())
+        options = self.faults.options
+        if options["latency"]:
+            time.sleep(options["latency"])
+        if options["down"] is not None and self.faults.first_request():
+            self.server.go_down()  # returns once the port refuses connections
         path = self.translate_path(self.path)
-        if not match or match.groups() == ("", "") or not os.path.isfile(path):
+        name = os.path.basename(path)
+        if name in options["missing"]:
+            self.send_error(404, "File not found")
+            return None
+        if not os.path.isfile(path):
             return super().send_head()
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+            data = f.read(options["truncate"].get(name, -1))
+        return self._send_part(path, data)
+
+    def _send_part(self, path: str, data: bytes):
+        """The head for ``data`` (all of it, or the requested range); its body."""
+        size = len(data)
+        match = re.fullmatch(r"bytes=(\d*)-(\d*)",
+                             (self.headers.get("Range") or "").strip())
+        start, stop = 0, size
+        if match and match.groups() != ("", ""):
             first, last = match.groups()
             if first == "":
-                start, stop = max(size - int(last), 0), size
+                start = max(size - int(last), 0)
             else:
                 start, stop = int(first), min(int(last) + 1 if last else size, size)
             if start >= stop:
@@ -464,32 +589,108 @@ class RangeRequestHandler(http.server.SimpleHTTPRequestHandler):
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return None
-            f.seek(start)
-            body = f.read(stop - start)
-        self.send_response(206)
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{size}")
+        else:
+            self.send_response(200)
         self.send_header("Content-Type", self.guess_type(path))
-        self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{size}")
-        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Length", str(stop - start))
         self.send_header("Accept-Ranges", "bytes")
         self.end_headers()
-        return io.BytesIO(body)
+        self._name = os.path.basename(path)
+        return io.BytesIO(data[start:stop])
+
+    def copyfile(self, source, outputfile) -> None:
+        """The body, cut or stalled where ``faults`` says. A client that closes the
+        connection at the fault, within 0.2 s of a cut or 0.5 s of a stall
+        (``fsspec``'s ``_exists`` reads the head of a ``GET`` and closes), has not
+        met it: a fault played once stays for the next response. A stall ends when
+        its client closes."""
+        body = source.read()
+        name = getattr(self, "_name", "")
+        sent, stall = self.faults.plan(name, len(body))
+        outputfile.write(body[:sent])
+        outputfile.flush()
+        if stall == -2.0:
+            if self._client_gone(0.2):
+                self.faults.release(name)
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        began = time.monotonic()
+        end = began + (float("inf") if stall == -1.0 else stall)
+        while time.monotonic() < end:
+            if self._client_gone(min(0.1, end - time.monotonic())):
+                if time.monotonic() - began < 0.5:  # gone at once: never met it
+                    self.faults.release(name)
+                return
+        outputfile.write(body[sent:])
+
+    def _client_gone(self, wait: float) -> bool:
+        """Whether the client closed its end within ``wait`` seconds (it sends
+        nothing after its request, so a readable socket with no data is its close)."""
+        import select
+
+        if not select.select([self.connection], [], [], max(wait, 0))[0]:
+            return False
+        try:
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+    def finish(self) -> None:
+        with contextlib.suppress(OSError):  # a connection this handler shut down
+            super().finish()
 
     def log_message(self, *args) -> None:  # one line per request is noise here
         pass
 
 
-def serve(folder: str, port: int = 0) -> None:
-    """Serve ``folder`` on ``127.0.0.1:port`` (0: a free one) until stopped; prints
-    ``Serving HTTP on 127.0.0.1 port N ...`` first, as ``python -m http.server``."""
+class _Server(http.server.ThreadingHTTPServer):
+    """``ThreadingHTTPServer`` that ``go_down`` stops from a handler's thread."""
+
+    daemon_threads = True
+    # http.server's default of 5 waiting connections makes a 6th concurrent client
+    # wait about a second (an index over shards sends a batch's requests at once)
+    request_queue_size = 128
+
+    def go_down(self) -> None:
+        """Stop accepting: ``serve`` closes the socket; wait until it has (2 s)."""
+        threading.Thread(target=self.shutdown, daemon=True).start()
+        self.faults.stopped.wait(2.0)
+
+
+def serve(folder: str, port: int = 0, options: dict | None = None) -> None:
+    """Serve ``folder`` on ``127.0.0.1:port`` (0: a free one) until stopped, playing
+    the faults in ``options`` (``ShardServer``'s keywords); prints ``Serving HTTP on
+    127.0.0.1 port N ...`` first, as ``python -m http.server``. With ``down``: the
+    listening socket is closed for ``down`` seconds, then opened on the same port."""
     import functools
 
-    http.server.test(HandlerClass=functools.partial(RangeRequestHandler,
-                                                    directory=folder),
-                     ServerClass=http.server.ThreadingHTTPServer, port=port,
-                     bind="127.0.0.1")
+    faults = _Faults(options)
+    handler = functools.partial(RangeRequestHandler, directory=folder, faults=faults)
+    server = _Server(("127.0.0.1", port), handler)
+    server.faults = faults
+    port = server.server_address[1]
+    print(f"Serving HTTP on 127.0.0.1 port {port} (http://127.0.0.1:{port}/) ...",
+          flush=True)
+    while True:
+        server.serve_forever(poll_interval=0.05)
+        server.server_close()  # connections are refused from here
+        faults.stopped.set()
+        time.sleep(faults.options["down"])
+        server = _Server(("127.0.0.1", port), handler)
+        server.faults = faults
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "serve":
-        sys.exit("usage: python -m utils.streams serve FOLDER")
-    serve(sys.argv[2])
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m utils.streams",
+                                     description="Serve FOLDER on 127.0.0.1.")
+    parser.add_argument("command", choices=["serve"])
+    parser.add_argument("folder")
+    parser.add_argument("--options", default="{}",
+                        help="faults, as JSON: ShardServer's keywords")
+    cli = parser.parse_args()
+    serve(cli.folder, options=json.loads(cli.options))

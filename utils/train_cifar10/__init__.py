@@ -45,7 +45,8 @@ Each epoch rank 0 writes one JSON line to ``OUT/metrics.jsonl``: ``epoch``, ``st
 
 ``--data-format webdataset --shards URLS`` trains on WebDataset tar shards (over HTTP,
 or paths) instead of ``--data``'s training set, with the same augmentation and the same
-number of steps on every rank (``shards``); it resumes at epoch ends only.
+number of steps on every rank (``shards``); it resumes mid-epoch too, by replaying
+the epoch's seeded streams, with the same processes and ``--workers``.
 
 The modules follow the sections of chapters 12 and 13, each of which names its module:
 
@@ -85,15 +86,16 @@ from .preemption import (DONE, EXIT_PREEMPTED, PREEMPTED, STOP_CHECK_EVERY,
                          Preemption, refuse_restart_after_preemption, this_run,
                          write_preempted)
 from .shards import (IMAGE_KEYS, SHUFFLE_BUFFER, EpochBatches, ShardStream,
-                     StreamAugment, check_dealing, check_resume, count_samples, deal,
-                     expand_shards, open_shards, sample_index, shard_counts,
-                     steps_per_epoch, stream_loader)
+                     StreamAugment, batches_taken, check_dealing, check_resume,
+                     count_samples, deal, default_manifest, expand_shards,
+                     manifest_counts, no_manifest_line, open_shards, read_manifest,
+                     reader_batches, sample_index, shard_counts, steps_per_epoch,
+                     stream_loader)
 from .loaders import (FIT_FRACTION, agreed_free_memory, batch_dtype, choose_loader,
                       eval_workers, make_train_loader, shield_worker, worker_start)
 from .launcher import (check_compile, check_gpus, launcher_args, refuse_elastic_nnodes,
                        refuse_srun_without_torchrun, setup_distributed)
-from .steps import (build_data, build_model, Data, data_format_cannot_resume_here,
-                    end_epoch, evaluate, finish,
+from .steps import (build_data, build_model, Data, end_epoch, evaluate, finish,
                     grad_scaler, Job, main, prepare_only, progress_bar,
                     resume_or_start, rng_states, run, save, set_up_job, show_progress,
                     start_log, train, train_epoch, train_step, Training,

@@ -38,6 +38,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--data-format webdataset's shards: a brace pattern or a "
                         "comma list of URLs or paths, e.g. "
                         "http://HOST:PORT/train-{000000..000007}.tar")
+    p.add_argument("--manifest", metavar="PATH_OR_URL",
+                   help="--data-format webdataset: the shards' manifest.json "
+                        "(utils.manifest.write_manifest), whose sample counts spare "
+                        "reading every shard at the start (default: manifest.json "
+                        "beside the shards; if there is none, the shards are read)")
     p.add_argument("--model", choices=["simplecnn", "resnet18"], default="simplecnn")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--global-batch", type=int, default=256,
@@ -150,12 +155,13 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def check_data_format(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--data-format webdataset`` needs ``--shards`` and the workers loader, and
-    cannot resume mid-epoch (``shards``); ``--shards`` needs it."""
+    """``--data-format webdataset`` needs ``--shards`` and the workers loader;
+    ``--shards`` and ``--manifest`` need it."""
     if args.data_format == "cifar":
-        if args.shards is not None:
-            p.error("--shards is for --data-format webdataset: add that, or drop "
-                    "--shards to train on the CIFAR-10 batches in --data")
+        for name in ("shards", "manifest"):
+            if getattr(args, name) is not None:
+                p.error(f"--{name} is for --data-format webdataset: add that, or drop "
+                        f"--{name} to train on the CIFAR-10 batches in --data")
         return
     if not args.shards or not expand_shards(args.shards):
         p.error("--data-format webdataset needs --shards URLS: a brace pattern or a "
@@ -164,8 +170,3 @@ def check_data_format(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error("--loader gpu keeps a CIFAR-format training set on the device; "
                 "--data-format webdataset streams shards through DataLoader "
                 "workers: use --loader workers (or auto)")
-    if args.checkpoint_every:
-        p.error("--checkpoint-every writes checkpoints mid-epoch, and --data-format "
-                "webdataset cannot resume from one (a stream of shards has no "
-                "position to restart from): it resumes from the checkpoint written "
-                "at each epoch's end; drop --checkpoint-every")

@@ -271,7 +271,9 @@ def resume_or_start(args, job: Job, data: Data, model: nn.Module, optimizer,
     state = (agree_on_resume(training.path, training.config, job.rank, job.ddp)
              if args.resume else None)
     if state is not None and data.loader == "webdataset":
-        check_resume(state, data.steps_per_epoch, training.path)  # on every rank
+        # on every rank
+        check_resume(state, data.steps_per_epoch, training.path, job.world_size,
+                     args.workers)
     for name in (PREEMPTED, DONE):  # this run goes on from it / is not done yet
         if job.master and os.path.exists(os.path.join(args.out, name)):
             os.remove(os.path.join(args.out, name))
@@ -353,12 +355,7 @@ def save(args, training: Training, job: Job) -> None:
     """Rank 0 writes the checkpoint (unless this step's is written already: a stop
     agreed at a periodic save's step) and, after a stop, ``preempted.json``; every rank
     waits for it."""
-    if data_format_cannot_resume_here(args, training):
-        if job.master:
-            print(f"--data-format webdataset: no checkpoint mid-epoch (a stream of "
-                  f"shards cannot resume there); {training.path}, if any, stays the "
-                  f"last epoch's end", flush=True)
-    elif training.saved_step != training.step:
+    if training.saved_step != training.step:
         # mid-epoch, the epoch's loss so far (a collective: on every rank)
         epoch_loss = (training.epoch_loss(job.world_size) if training.step_in_epoch
                       else (0.0, 0))
@@ -376,19 +373,14 @@ def save(args, training: Training, job: Job) -> None:
                 "scaler": training.scaler.state_dict(), "epoch": training.epoch,
                 "step_in_epoch": training.step_in_epoch, "step": training.step,
                 "epoch_loss": list(epoch_loss), "world_size": job.world_size,
-                "config": training.config})
+                # a stream of shards replays an epoch with the same dealing (shards)
+                "workers": args.workers, "config": training.config})
         training.saved_step = training.step  # on every rank: they decide alike
     if job.master and training.stop_signal and training.epoch < args.epochs:
         write_preempted(args, training)  # before the barrier: no rank exits first
     if job.ddp:
         # nobody runs ahead of a checkpoint that may be needed to restart them
         dist.barrier()
-
-
-def data_format_cannot_resume_here(args, training: Training) -> bool:
-    """A stop mid-epoch with ``--data-format webdataset``: a checkpoint here could not
-    be resumed (``shards``), and would replace the last epoch's, which can."""
-    return args.data_format == "webdataset" and training.step_in_epoch > 0
 
 
 def start_log(args, job: Job, data: Data):
