@@ -270,3 +270,27 @@ def test_datasets_shuffle_follows_the_epoch_through_the_readers_map(served):
     first, second = order(0), order(1)
     assert sorted(first) == sorted(second) == list(range(64))
     assert first != second
+
+
+def test_a_manifest_lists_each_samples_byte_span_and_refuses_what_is_not_there(tmp_path):
+    import io
+    import tarfile
+
+    from utils.manifest import ShardMismatch, check_shard, load_manifest, write_manifest
+
+    images = np.arange(16 * 3072, dtype=np.int64).astype(np.uint8).reshape(16, 32, 32, 3)
+    folder = tmp_path / "tars"
+    names = streams.write_webdataset(str(folder), images, list(range(16)), 2)
+    manifest = load_manifest(write_manifest(str(folder), names))
+    assert [s["samples"] for s in manifest["shards"]] == [8, 8] and manifest["samples"] == 16
+    data = (folder / names[1]).read_bytes()
+    key, first, stop = manifest["shards"][1]["spans"][3]
+    with tarfile.open(fileobj=io.BytesIO(data[first:stop]), mode="r|") as tar:
+        assert [m.name for m in tar] == [f"{key}.cls", f"{key}.npy"] and key == "000011"
+    check_shard(manifest["shards"][1], data)
+    with pytest.raises(ShardMismatch, match="partial upload"):
+        check_shard(manifest["shards"][1], data[:-512])
+    with pytest.raises(FileNotFoundError, match="no shard 'x.tar'"):
+        write_manifest(str(folder), ["x.tar"])
+    with pytest.raises(ValueError, match="names is empty"):
+        write_manifest(str(folder), [])
