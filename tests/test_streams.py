@@ -10,7 +10,7 @@ import pytest
 from utils import streams
 from utils.audit import audit_shards
 from utils.shuffle_buffers import (buffer_orders, buffer_resume_losses, buffer_table,
-                                   reader_table, shard_owners)
+                                   reader_table, resumed_read, shard_owners)
 
 LIBRARIES = ("webdataset", "parquet")
 WRITERS = {"webdataset": streams.write_webdataset, "parquet": streams.write_parquet}
@@ -111,21 +111,7 @@ def test_datasets_resumed_with_a_buffer_in_one_process_loses_the_buffer(served):
     """datasets saves where its shards were read, not the buffer's contents: of what
     the buffer held at the stop, 9 samples are never yielded and one comes twice
     (measured with datasets 5.2.0; chapter 16 shows it)."""
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
-    def loader(state=None):
-        ds = streams.hf_stream(served["parquet", 8], 0, 1, shuffle=16)
-        out = StatefulDataLoader(ds, batch_size=4)
-        if state:
-            out.load_state_dict(state)
-        return out
-
-    first, seen = loader(), []
-    for i, batch in enumerate(first):
-        seen += batch["index"].tolist()
-        if i == 2:
-            break
-    seen += [i for batch in loader(first.state_dict()) for i in batch["index"].tolist()]
+    seen = resumed_read(served["parquet", 8], k=16, stop=3, batch=4)
     audit = audit_shards([seen], 64)
     assert (len(audit.missing), audit.duplicates) == (9, {10: 2})
 

@@ -35,7 +35,7 @@ from .streams import shard_bounds
 __all__ = ["BUFFER_KINDS", "buffer_orders", "position_correlation",
            "shards_per_batch", "buffer_table", "reader_table", "OWNER_WAYS",
            "shard_owners", "no_shutdown_sleep", "rank_environment",
-           "buffer_resume_losses"]
+           "buffer_resume_losses", "resumed_read"]
 
 BUFFER_KINDS = ("webdataset", "datasets", "torch.randperm")
 
@@ -267,7 +267,7 @@ def shard_owners(way: str, urls, n: int, world_size: int, epochs: int = 3,
     return owners
 
 
-def _resumed_read(urls, k: int, stop: int, batch: int) -> list[int]:
+def resumed_read(urls, k: int, stop: int, batch: int) -> list[int]:
     """The indices one reader (no workers) yields when a ``datasets`` stream with a
     buffer of ``k`` is stopped after ``stop`` batches and resumed from
     ``StatefulDataLoader``'s ``state_dict`` in a new loader."""
@@ -303,7 +303,7 @@ def buffer_resume_losses(urls, n: int, ks=(16, 32), stops=range(1, 13),
     with no_shutdown_sleep():
         for k in ks:
             for stop in stops:
-                audit = audit_shards([_resumed_read(urls, k, stop, batch)], n)
+                audit = audit_shards([resumed_read(urls, k, stop, batch)], n)
                 repeated = sum(c - 1 for c in audit.duplicates.values())
                 table.append({"k": k, "stop": stop, "lost": len(audit.missing),
                               "repeated": repeated})
