@@ -13,7 +13,7 @@ import pytest
 # test files whose tests start several processes at once, for most of their time
 STARTS_RANKS = {"test_train_cifar10.py", "test_train_ddp.py", "test_minimal_ddp.py",
                 "test_workers.py", "test_streams.py", "test_train_cifar10_shards.py",
-                "test_stream_faults.py", "test_shard_index.py"}
+                "test_stream_faults.py", "test_shard_index.py", "test_part_scripts.py"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -379,3 +379,23 @@ def test_the_checks_report_what_they_should(tmp_path):
     assert sum("cell 3 " in p for p in problems) == 4  # alt, caption, name, retina
     assert any("cell 4 " in p and "alt" in p for p in problems)
     assert any("cell 4 " in p and "900 px wide" in p for p in problems)
+
+
+# A cell that calls the book's helper to start ranks or audit shards has no counterpart in a
+# reader's own script: each chapter with one says where the plain-torch version is.
+HELPERS = re.compile(r"\b(run_distributed|audit_shards)\(")
+TAKE_AWAY = re.compile(r"`examples/part[12]_\w+\.py` \(\[chapter [58]\]\("
+                       r"0[58]_\w+\.ipynb#part-i{1,2}-in-one-script\)\)")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_a_chapter_that_uses_the_books_helpers_links_their_plain_torch_version(path):
+    cells = nbformat.read(path, as_version=4).cells
+    if not any(HELPERS.search(c.source) for c in cells if c.cell_type == "code"):
+        return
+    markdown = "\n".join(c.source for c in cells if c.cell_type == "markdown")
+    # the two part chapters show their script whole, under a heading the links reach
+    home = re.search(r"^## Part I{1,2} in one script$", markdown, re.M)
+    assert home or TAKE_AWAY.search(markdown), (
+        "say where the plain-torch version is: `examples/part1_sharding.py` "
+        "([chapter 5](05_custom_samplers.ipynb#part-i-in-one-script))")

@@ -66,6 +66,16 @@ def job_labels(world_size: int = 2, workers_per_rank: int = 2) -> dict[str, str]
     return labels
 
 
+def _canvas(height: float):
+    """A figure of the book's column width whose data coordinates are inches."""
+    fig = plt.figure(figsize=(MAX_WIDTH_IN, height))
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_xlim(0, MAX_WIDTH_IN)
+    ax.set_ylim(0, height)
+    ax.set_axis_off()
+    return fig, ax
+
+
 def _box(ax, x, y, w, h, labels, name, kind, **text_kw):
     ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0,rounding_size=0.06",
                                 facecolor=_FILL[kind], edgecolor="#555555", lw=1,
@@ -91,11 +101,7 @@ def draw_job(world_size: int = 2, workers_per_rank: int = 2):
     """
     labels = job_labels(world_size, workers_per_rank)
     width = MAX_WIDTH_IN
-    fig = plt.figure(figsize=(width, _HEIGHT_IN))
-    ax = fig.add_axes((0, 0, 1, 1))
-    ax.set_xlim(0, width)
-    ax.set_ylim(0, _HEIGHT_IN)
-    ax.set_axis_off()
+    fig, ax = _canvas(_HEIGHT_IN)
 
     _box(ax, width / 2 - 2.2, 4.12, 4.4, 0.5, labels, "launcher", "launcher")
     for y, name in ((0.48, "all_reduce"), (0.2, "broadcast")):
