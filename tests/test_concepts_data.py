@@ -146,7 +146,7 @@ def test_the_global_batch_is_the_ranks_batches_and_the_lr_the_scripts():
             assert [i for _, i in mine] == batch
             # each rank's cell sits where its index is in the epoch's order
             assert all(order[pos] == i for pos, i in mine)
-        lr = float(drawn["lr"].split("\n= ")[1].split()[0])
+        lr = float(drawn["lr"].split("\n= ")[1].split(";")[0])
         assert lr == linear_rule_lr(model, G)
         assert drawn["global"].startswith(f"global batch = {world} ranks x "
                                           f"{G // world} samples = {G} samples")

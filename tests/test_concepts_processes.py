@@ -87,17 +87,17 @@ def test_restart_events_follow_the_command_and_the_resumed_line():
         (0, "agent", "rank 1 failed:\nstops the others"),
         (1, "agent", "restart 1 of\n--max-restarts=1"),
         (0, "rank 0", "joins;\nsteps 1-5 done"), (0, "rank 0", "stopped by\nthe agent"),
-        (1, "rank 0", "joins again; resumes\nafter step 4 (checkpoint)"),
+        (1, "rank 0", "joins again; loads the\nstep-4 checkpoint, redoes step 5"),
         (0, "rank 1", "joins;\nsteps 1-5 done"),
         (0, "rank 1", "fails at the\nstart of step 6"),
-        (1, "rank 1", "joins again; resumes\nafter step 4 (checkpoint)")]
+        (1, "rank 1", "joins again; loads the\nstep-4 checkpoint, redoes step 5")]
     three = [c.replace("--nproc_per_node=2", "--nproc_per_node=3")
              .replace("--max-restarts=1", "--max-restarts=3") for c in COMMAND]
     three[-1] = "9"
     events = restart_events(three, RESUMED.replace("(4 in all)", "(8 in all)"))
     assert (0, "rank 2", "fails at the\nstart of step 9") in events
     assert (1, "agent", "restart 1 of\n--max-restarts=3") in events
-    assert (1, "rank 0", "joins again; resumes\nafter step 8 (checkpoint)") in events
+    assert (1, "rank 0", "joins again; loads the\nstep-8 checkpoint, goes on at step 9") in events
 
 
 def test_the_slurm_labels_say_what_the_recipe_says():

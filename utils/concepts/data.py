@@ -88,7 +88,7 @@ def _index_path_labels(path: dict) -> dict[str, str]:
     in_order = ", ".join(map(str, range(len(path["batches"]))))
     labels = {
         "row sampler": f"DistributedSampler\nrank {r} of {path['num_replicas']}",
-        "row batches": f"BatchSampler\nbatch_size={b}",
+        "row batches": f"BatchSampler\nbatch_size={b}\n(main process)",
         "row workers": f"DataLoader workers\nnum_workers={workers}",
         "row pin": "main process\npin_memory=True",
         "row device": f"rank {r}'s GPU",
@@ -182,7 +182,7 @@ def draw_stride_and_chunk(n: int = 10, num_replicas: int = 3):
                                         for r, p in split["chunk padding"]}
     fig, ax = plt.subplots(figsize=(MAX_WIDTH_IN, 0.42 * 2 * num_replicas + 1.5))
     plot_index_rows(rows, n, marked=marked, ax=ax,
-                    title=f"range({n}) over {num_replicas} ranks: DistributedSampler's "
+                    title=f"range({n}), shuffle=False, {num_replicas} ranks: "
                           f"stride (top), chunks (bottom)")
     ax.axhline(num_replicas, color="black", linewidth=2)
     return fig
@@ -276,8 +276,8 @@ def draw_global_batch(n: int = 64, global_batch_size: int = 16, world_size: int 
     labels = {"global": f"global batch = {world_size} ranks x {b} samples = {G} "
                         f"samples per optimizer step;\nDDP averages the ranks' "
                         f"gradients: the gradient of all {G}",
-              "lr": f"linear rule (linear_rule_lr): lr = {data['base_lr']} per 256 "
-                    f"images x {G} / 256\n= {data['lr']:g} for {model}; "
+              "lr": f"linear rule: lr = {data['base_lr']} ({model}'s rate for 256 "
+                    f"images) x {G} / 256\n= {data['lr']:g}; "
                     f"{2 * G} samples a step would double it"}
     _two_notes(ax, labels, ("global", "sampler"), ("lr", "model"))
     return fig
@@ -314,8 +314,8 @@ def draw_shards_dealt(num_shards: int = 8, world_size: int = 2, workers: int = 2
     fig, axes = plt.subplots(2, 1, figsize=(MAX_WIDTH_IN, 0.9 * epochs + 2.4))
     titles = {False: "WebDataset's default, split by rank then worker: the same "
                      "shards every epoch",
-              True: f"shard list shuffled by seed + epoch (seed={seed}) before the "
-                    f"split: dealt anew"}
+              True: f"shard list shuffled by seed + epoch (seed={seed}), then split: "
+                    f"a new deal\neach epoch, each shard still read once"}
     for ax, reshuffle in zip(axes, (False, True)):
         dealt = deal_shards(num_shards, world_size, workers, epochs, reshuffle, seed)
         rows = {f"epoch {e}": [s for rank in ranks for mine in rank for s in mine]
@@ -389,8 +389,9 @@ def draw_checkpoint_position(n: int = 24, global_batch_size: int = 6, before: in
     fig, ax = _canvas(height)
     top = height - 0.45
     ax.text(MAX_WIDTH_IN / 2, height - 0.22,
-            f"{before} ranks stop after step {stop_step}; {after} ranks resume "
-            f"(cells: sample indices)", ha="center", va="center",
+            f"{before} ranks stop after {stop_step} steps (positions "
+            f"0-{consumed - 1}); {after} ranks resume (cells: sample indices)",
+            ha="center", va="center",
             fontsize=MIN_FONT_PT, gid="title")
     _grid(ax, rows, data["n"], 0, top, cell_w)
     x_stop = _LABEL_IN + 0.1 + consumed * cell_w
@@ -402,8 +403,9 @@ def draw_checkpoint_position(n: int = 24, global_batch_size: int = 6, before: in
                             f"{stop_step}, seed {seed}, global batch "
                             f"{global_batch_size}\n-> positions 0-{consumed - 1} of "
                             f"the order are done (red line)",
-              "resume": f"{after} ranks: set_epoch({epoch}, start={stop_step} x "
-                        f"{b_after}); rank r goes on at\nposition {consumed} + r, "
-                        f"then every {after} positions: each of the rest once"}
+              "resume": f"{after} ranks: set_epoch({epoch}, start={stop_step} steps x "
+                        f"{b_after} per rank); rank r goes on at\nposition "
+                        f"{consumed} + r, then every {after} positions: each of the "
+                        f"rest once"}
     _two_notes(ax, labels, ("checkpoint", "launcher"), ("resume", "sampler"))
     return fig

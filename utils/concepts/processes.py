@@ -114,10 +114,8 @@ def draw_ddp_step(buckets: Sequence[tuple[Sequence[str], int]]):
         _note(ax, 0.08, top - 0.36, rows[row], va="center", gid=f"row {row}")
     _note(ax, 0.08, 0.28, f"buckets in the order backward fills them (b0 first): "
           f"{', '.join(f'{s:,}' for _, s in buckets)} bytes", gid="sizes")
-    _note(ax, 0.08, 2.5, "time →  (schematic, not measured: each bar's length is "
-          "proportional to its gradient bytes)", gid="scale", style="italic")
-    _note(ax, 0.08, 0.05, "upper lane: forward, backward, optimizer step; lower lane: "
-          "all-reduces", gid="lanes")
+    _note(ax, 0.08, 2.5, "time →  (schematic, not measured: bars as long as their "
+          "gradient bytes; step: the optimizer's)", gid="scale", style="italic")
     return fig
 
 
@@ -164,12 +162,16 @@ def restart_events(command: Sequence[str],
     events = [(0, "agent", f"starts {nproc} ranks"),
               (0, "agent", f"rank {last} failed:\nstops the others"),
               (1, "agent", f"restart 1 of\n--max-restarts={restarts}")]
+    saved = int(found.group(1))
+    redo = (f"goes on at step {saved + 1}" if saved + 1 >= fail else
+            f"redoes step {saved + 1}" if saved + 2 == fail else
+            f"redoes steps {saved + 1}-{fail - 1}")
     for r in range(nproc):
         events.append((0, f"rank {r}", f"joins;\n{done} done"))
         events.append((0, f"rank {r}", f"fails at the\nstart of step {fail}"
                        if r == last else "stopped by\nthe agent"))
-        events.append((1, f"rank {r}", f"joins again; resumes\nafter step "
-                                       f"{found.group(1)} (checkpoint)"))
+        events.append((1, f"rank {r}", f"joins again; loads the\nstep-{saved} "
+                                       f"checkpoint, {redo}"))
     return events
 
 
@@ -249,13 +251,13 @@ def slurm_signal_labels(recipe: str | Path = RECIPE) -> dict[str, str]:
         "script does": f"its trap runs scancel --signal={term}; once srun\nreturns, "
                        "finds preempted.json: scontrol requeue",
         "srun": "srun\n(the job step)", "srun signal": "none: scancel\nspares it",
-        "srun does": "waits for its step's tasks, one torchrun a node",
-        "agent": "torchrun agent\n(one a node)", "agent signal": f"{sig}\n(scancel)",
+        "srun does": "waits for its step's tasks, one torchrun per node",
+        "agent": "torchrun agent\n(one per node)", "agent signal": f"{sig}\n(scancel)",
         "agent does": f"passes {sig} on to its ranks; SIGKILL\nafter "
                       f"--shutdown-timeout={grace} s",
-        "rank": "ranks\n(one a GPU)", "rank signal": f"{sig}\n(scancel, agent)",
-        "rank does": f"set a flag; agree on a step, save one\ncheckpoint, "
-                     f"exit {EXIT_PREEMPTED}",
+        "rank": "ranks\n(one per GPU)", "rank signal": f"{sig}\n(scancel, agent)",
+        "rank does": f"set a flag; agree on a step, save one checkpoint;\n"
+                     f"rank 0 writes preempted.json; exit {EXIT_PREEMPTED}",
         "workers": "DataLoader\nworkers", "workers signal": f"{sig}\n(scancel)",
         "workers does": f"ignore {sig}; end when their rank ends\n(WatchParent)",
     }
