@@ -2,9 +2,9 @@
 
     torchrun --standalone --nproc_per_node=2 examples/part1_sharding.py --samples 11
 
-Each rank loads its shard through a DataLoader. Rank 0 prints every rank's indices of
-every epoch (gathered, so in rank order) and checks that the shards partition the data
-set (pads or drops counted) and that each epoch's order is new; exit status 1 if not."""
+Each rank loads its shard through a DataLoader; rank 0 prints every rank's indices of
+every epoch (gathered: in rank order). Checked: the shards partition the data set (pads
+or drops counted) and each epoch's order is new; exit status 1 if not."""
 import argparse
 import os
 from collections import Counter
@@ -33,7 +33,7 @@ def check_epoch(shards: list[list[int]], n: int, drop_last: bool) -> tuple[list,
     """(the global order, a summary) of one epoch's shards, rank by rank; ValueError if
     they do not partition range(n) as DistributedSampler should."""
     world, counts = len(shards), [len(s) for s in shards]
-    if len(set(counts)) != 1:  # unequal batch counts: the next collective would hang
+    if len(set(counts)) != 1:  # unequal shares: a DDP step would hang
         raise ValueError(f"the ranks got unequal shares {counts}")
     order = [s[k] for k in range(counts[0]) for s in shards]  # rank r: r, r + W, ...
     seen = Counter(order)
@@ -79,7 +79,7 @@ def main() -> None:
         try:
             order, summary = check_epoch([sum(b, []) for b in shards], args.samples,
                                          args.drop_last)  # one list per rank
-            if order == previous and args.samples >= 7:  # 5040 orders: no coincidence
+            if order == previous and args.samples >= 10:  # by chance: 1 in 10! or less
                 raise ValueError(f"the same order as epoch {epoch - 1}: is "
                                  "sampler.set_epoch(epoch) called every epoch?")
         except ValueError as error:
@@ -92,7 +92,7 @@ def main() -> None:
     if failure:  # every rank saw the same shards: all of them exit with status 1
         raise SystemExit(1 if rank else failure)
     if rank == 0:
-        new = ", each order new" if args.epochs > 1 and args.samples >= 7 else ""
+        new = ", each order new" if args.epochs > 1 and args.samples >= 10 else ""
         print(f"ok: {args.epochs} epoch(s), each a partition{new}", flush=True)
 
 

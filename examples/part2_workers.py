@@ -1,8 +1,8 @@
 """Part II in one file: DataLoader workers, their seeds, an IterableDataset's shards.
-
-    torchrun --standalone --nproc_per_node=2 examples/part2_workers.py --workers 2"""
+Run: torchrun --standalone --nproc_per_node=2 examples/part2_workers.py --workers 2"""
 import argparse
 import multiprocessing as mp
+import os
 from collections import Counter
 
 import torch
@@ -11,7 +11,7 @@ from torch.utils.data import (DataLoader, DistributedSampler, IterableDataset,
                               TensorDataset, get_worker_info)
 
 
-class Augmented(TensorDataset):  # at module level: a spawned worker imports it
+class Augmented(TensorDataset):  # module level: a spawned worker imports the class
     """Sample i, its worker's id (0 if none) and a random draw (say, a crop's)."""
     def __getitem__(self, i: int) -> tuple[int, int, int]:
         return i, getattr(get_worker_info(), "id", 0), int(torch.randint(2**62, ()))
@@ -35,16 +35,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     least = {"samples": 1, "batch_size": 1, "epochs": 1, "workers": 0, "seed": 0}
     for name, default in zip(least, (12, 2, 2, 2, 0)):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
-    methods = mp.get_all_start_methods()  # never fork a rank: it has threads (ch. 6)
-    p.add_argument("--start-method", choices=methods, dest="start",
-                   default="forkserver" if "forkserver" in methods else "spawn")
     args = p.parse_args(argv)
     for name, value in least.items():
         if getattr(args, name) < value:
             p.error(f"--{name.replace('_', '-')}: {getattr(args, name)} < {value}")
     args.loader = dict(batch_size=args.batch_size, num_workers=args.workers)
-    if args.workers:  # started once per loader, and never by forking the rank
-        args.loader.update(persistent_workers=True, multiprocessing_context=args.start)
+    start = [m for m in mp.get_all_start_methods() if m != "fork"][-1]  # forkserver
+    if args.workers:  # or spawn; never fork a rank: it has threads (chapter 6)
+        args.loader.update(persistent_workers=True, multiprocessing_context=start)
     return args
 
 
@@ -73,8 +71,10 @@ def draws(args, epochs: int):
 
 def main() -> None:
     args = parse_args()
-    dist.init_process_group("gloo")  # torchrun's environment; before Stream asks it
-    mp.set_forkserver_preload(["torch"])  # a fork server imports torch once, for all
+    if "RANK" not in os.environ:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, ...
+        raise SystemExit(f"torchrun --standalone --nproc_per_node=2 {__file__}")
+    dist.init_process_group("gloo")  # from torchrun's environment
+    mp.set_forkserver_preload(["torch"])  # this rank's fork server imports torch once
     rank, world = dist.get_rank(), dist.get_world_size()
     epochs, again = list(draws(args, args.epochs)), list(draws(args, 1))  # 2 loaders
     read = gather(DataLoader(Stream(args.samples), **args.loader))  # (rank, i, worker)
@@ -88,7 +88,7 @@ def main() -> None:
     if rank == 0:  # how many samples each (rank, worker) drew, and read from the stream
         drawn = Counter(f"r{r}w{w}" for rows in epochs for r, _, w, _ in rows)
         streamed = Counter(f"r{r}w{w}" for r, _, w in read)
-        print(f"{world} ranks x {args.workers} workers ({args.start})",
+        print(f"{world} ranks x {args.workers} workers",
               f"draws per (rank, worker): {dict(sorted(drawn.items()))}",
               f"draws: all {len(values)} distinct; a new loader repeats epoch 0's",
               f"stream reads per (rank, worker): {dict(sorted(streamed.items()))}",

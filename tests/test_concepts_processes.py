@@ -104,14 +104,14 @@ def test_the_slurm_labels_say_what_the_recipe_says():
     labels = slurm_signal_labels()
     assert "#SBATCH --signal=B:USR1@120" in RECIPE.read_text().splitlines()
     assert labels["script signal"] == "SIGUSR1, 120 s\nbefore --time=04:00:00"
-    assert labels["agent does"].endswith("--shutdown-timeout=90 s")
+    assert labels["agent does"].endswith("still alive 90 s later (--shutdown-timeout)")
     assert labels["rank does"].endswith("exit 75")
     changed = (RECIPE.read_text().replace("--signal=B:USR1@120", "--signal=B:USR2@300")
                .replace("trap on_warning USR1", "trap on_warning USR2")
                .replace("SHUTDOWN_TIMEOUT:-90", "SHUTDOWN_TIMEOUT:-200"))
     labels = slurm_signal_labels(changed)
     assert labels["script signal"] == "SIGUSR2, 300 s\nbefore --time=04:00:00"
-    assert labels["agent does"].endswith("--shutdown-timeout=200 s")
+    assert labels["agent does"].endswith("still alive 200 s later (--shutdown-timeout)")
 
 
 @pytest.mark.parametrize("recipe, match", [

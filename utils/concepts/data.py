@@ -8,7 +8,8 @@
 - ``draw_global_batch`` (chapter 11): one step's global batch as the ranks' batches,
   and the learning rate ``utils.train_cifar10`` scales to it;
 - ``draw_shards_dealt`` (chapter 16): shard files dealt to ranks and workers, the same
-  every epoch (WebDataset's default) or dealt anew by the epoch's seed;
+  every epoch (WebDataset's ``split_by_node``, ``split_by_worker``) or dealt anew by the
+  epoch's seed;
 - ``draw_checkpoint_position`` (chapter 12): what a checkpoint records of an epoch, and
   how a run on another number of ranks deals the rest of it.
 
@@ -94,16 +95,17 @@ def _index_path_labels(path: dict) -> dict[str, str]:
         "row device": f"rank {r}'s GPU",
         "sampler": f"rank {r}'s indices of range({path['n']}), seed {path['seed']}:\n"
                    + ", ".join(map(str, path["indices"])),
-        "pin": f"batches back in order {in_order}; each copied\n"
-               "to page-locked memory (a thread of the main process)",
-        "device": f"batch.to('cuda:{r}', non_blocking=True): on rank {r}'s GPU"}
+        "pin": "a thread pins each batch as it arrives (page-locked memory);\n"
+               f"the main process hands them out in order {in_order}",
+        "device": f"batch.to('cuda:{r}', non_blocking=True): cuda:LOCAL_RANK, "
+                  f"here {r}"}
     for i, batch in enumerate(path["batches"]):
         labels[f"batch {i}"] = f"batch {i}\n{batch}"
     for w in range(workers):
         mine = ", ".join(str(i) for i, k in enumerate(path["worker"]) if k == w)
         labels[f"worker {w}"] = (f"worker {w}: batch{'es' if ',' in mine else ''} "
                                  f"{mine or 'none'}\ndataset[i] for each i,\n"
-                                 f"collate_fn: {b} samples -> 1 tensor")
+                                 f"collate_fn: {b} samples -> 1 batch")
     return labels
 
 
@@ -312,7 +314,7 @@ def draw_shards_dealt(num_shards: int = 8, world_size: int = 2, workers: int = 2
     every epoch and dealt anew; return the Figure."""
     readers = world_size * workers
     fig, axes = plt.subplots(2, 1, figsize=(MAX_WIDTH_IN, 0.9 * epochs + 2.4))
-    titles = {False: "WebDataset's default, split by rank then worker: the same "
+    titles = {False: "WebDataset's split_by_node, then split_by_worker: the same "
                      "shards every epoch",
               True: f"shard list shuffled by seed + epoch (seed={seed}), then split: "
                     f"a new deal\neach epoch, each shard still read once"}

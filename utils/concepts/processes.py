@@ -253,12 +253,13 @@ def slurm_signal_labels(recipe: str | Path = RECIPE) -> dict[str, str]:
         "srun": "srun\n(the job step)", "srun signal": "none: scancel\nspares it",
         "srun does": "waits for its step's tasks, one torchrun per node",
         "agent": "torchrun agent\n(one per node)", "agent signal": f"{sig}\n(scancel)",
-        "agent does": f"passes {sig} on to its ranks; SIGKILL\nafter "
-                      f"--shutdown-timeout={grace} s",
+        "agent does": f"passes {sig} on to its ranks; SIGKILL to any\n"
+                      f"still alive {grace} s later (--shutdown-timeout)",
         "rank": "ranks\n(one per GPU)", "rank signal": f"{sig}\n(scancel, agent)",
         "rank does": f"set a flag; agree on a step, save one checkpoint;\n"
                      f"rank 0 writes preempted.json; exit {EXIT_PREEMPTED}",
-        "workers": "DataLoader\nworkers", "workers signal": f"{sig}\n(scancel)",
+        "workers": "DataLoader workers\n(own process group)",
+        "workers signal": f"{sig}\n(scancel)",
         "workers does": f"ignore {sig}; end when their rank ends\n(WatchParent)",
     }
 
