@@ -85,19 +85,20 @@ def test_restart_events_follow_the_command_and_the_resumed_line():
     assert events == [
         (0, "agent", "starts 2 ranks"),
         (0, "agent", "rank 1 failed:\nstops the others"),
-        (1, "agent", "restart 1 of\n--max-restarts=1"),
+        (1, "agent", "restart 1 of --max-restarts=1:\nstarts 2 ranks again"),
         (0, "rank 0", "joins;\nsteps 1-5 done"), (0, "rank 0", "stopped by\nthe agent"),
-        (1, "rank 0", "joins again; loads the\nstep-4 checkpoint, redoes step 5"),
+        (1, "rank 0", "joins again; loads the\nstep-4 checkpoint, redoes step 5, runs on"),
         (0, "rank 1", "joins;\nsteps 1-5 done"),
         (0, "rank 1", "fails at the\nstart of step 6"),
-        (1, "rank 1", "joins again; loads the\nstep-4 checkpoint, redoes step 5")]
+        (1, "rank 1", "joins again; loads the\nstep-4 checkpoint, redoes step 5, runs on")]
     three = [c.replace("--nproc_per_node=2", "--nproc_per_node=3")
              .replace("--max-restarts=1", "--max-restarts=3") for c in COMMAND]
     three[-1] = "9"
     events = restart_events(three, RESUMED.replace("(4 in all)", "(8 in all)"))
     assert (0, "rank 2", "fails at the\nstart of step 9") in events
-    assert (1, "agent", "restart 1 of\n--max-restarts=3") in events
-    assert (1, "rank 0", "joins again; loads the\nstep-8 checkpoint, goes on at step 9") in events
+    assert (1, "agent", "restart 1 of --max-restarts=3:\nstarts 3 ranks again") in events
+    assert (1, "rank 0", "joins again; loads the\nstep-8 checkpoint, goes on at step 9, "
+            "runs on") in events
 
 
 def test_the_slurm_labels_say_what_the_recipe_says():

@@ -97,8 +97,8 @@ def _index_path_labels(path: dict) -> dict[str, str]:
                    + ", ".join(map(str, path["indices"])),
         "pin": "a thread pins each batch as it arrives (page-locked memory);\n"
                f"the main process hands them out in order {in_order}",
-        "device": f"batch.to('cuda:{r}', non_blocking=True): cuda:LOCAL_RANK, "
-                  f"here {r}"}
+        "device": "batch.to(f'cuda:{LOCAL_RANK}', non_blocking=True); "
+                  f"here cuda:{r}"}
     for i, batch in enumerate(path["batches"]):
         labels[f"batch {i}"] = f"batch {i}\n{batch}"
     for w in range(workers):
@@ -187,6 +187,7 @@ def draw_stride_and_chunk(n: int = 10, num_replicas: int = 3):
                     title=f"range({n}), shuffle=False, {num_replicas} ranks: "
                           f"stride (top), chunks (bottom)")
     ax.axhline(num_replicas, color="black", linewidth=2)
+    ax.set_xlabel("position in the rank's list")
     return fig
 
 
@@ -223,6 +224,7 @@ def global_batch(n: int = 64, global_batch_size: int = 16, world_size: int = 4,
     return {"order": [(p, order[p]) for p in range(first, first + global_batch_size)],
             "batches": batches, "per_rank": per_rank, "base_lr": BASE_LR[model],
             "lr": linear_rule_lr(model, global_batch_size), "model": model,
+            "lr twice": linear_rule_lr(model, 2 * global_batch_size),
             "global_batch_size": global_batch_size, "step": step, "n": n}
 
 
@@ -280,7 +282,8 @@ def draw_global_batch(n: int = 64, global_batch_size: int = 16, world_size: int 
                         f"gradients: the gradient of all {G}",
               "lr": f"linear rule: lr = {data['base_lr']} ({model}'s rate for 256 "
                     f"images) x {G} / 256\n= {data['lr']:g}; "
-                    f"{2 * G} samples a step would double it"}
+                    f"{2 * world_size} ranks x {b} = {2 * G} would double it: "
+                    f"{data['lr twice']:g}"}
     _two_notes(ax, labels, ("global", "sampler"), ("lr", "model"))
     return fig
 
@@ -405,9 +408,9 @@ def draw_checkpoint_position(n: int = 24, global_batch_size: int = 6, before: in
                             f"{stop_step}, seed {seed}, global batch "
                             f"{global_batch_size}\n-> positions 0-{consumed - 1} of "
                             f"the order are done (red line)",
-              "resume": f"{after} ranks: set_epoch({epoch}, start={stop_step} steps x "
-                        f"{b_after} per rank); rank r goes on at\nposition "
-                        f"{consumed} + r, then every {after} positions: each of the "
-                        f"rest once"}
+              "resume": f"{after} ranks: set_epoch({epoch}, start="
+                        f"{stop_step * b_after}): {stop_step} steps x {b_after} per "
+                        f"rank;\nrank r goes on at position {consumed} + r, then every "
+                        f"{after} positions: each of the rest once"}
     _two_notes(ax, labels, ("checkpoint", "launcher"), ("resume", "sampler"))
     return fig

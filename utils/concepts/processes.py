@@ -114,8 +114,8 @@ def draw_ddp_step(buckets: Sequence[tuple[Sequence[str], int]]):
         _note(ax, 0.08, top - 0.36, rows[row], va="center", gid=f"row {row}")
     _note(ax, 0.08, 0.28, f"buckets in the order backward fills them (b0 first): "
           f"{', '.join(f'{s:,}' for _, s in buckets)} bytes", gid="sizes")
-    _note(ax, 0.08, 2.5, "time →  (schematic, not measured: bars as long as their "
-          "gradient bytes; step: the optimizer's)", gid="scale", style="italic")
+    _note(ax, 0.08, 2.5, "time →  (schematic, not measured: lengths follow the "
+          "gradient bytes; step: the optimizer step)", gid="scale", style="italic")
     return fig
 
 
@@ -161,7 +161,8 @@ def restart_events(command: Sequence[str],
     done = f"steps 1-{fail - 1}" if fail > 2 else ("step 1" if fail == 2 else "no step")
     events = [(0, "agent", f"starts {nproc} ranks"),
               (0, "agent", f"rank {last} failed:\nstops the others"),
-              (1, "agent", f"restart 1 of\n--max-restarts={restarts}")]
+              (1, "agent", f"restart 1 of --max-restarts={restarts}:\n"
+                         f"starts {nproc} ranks again")]
     saved = int(found.group(1))
     redo = (f"goes on at step {saved + 1}" if saved + 1 >= fail else
             f"redoes step {saved + 1}" if saved + 2 == fail else
@@ -171,7 +172,7 @@ def restart_events(command: Sequence[str],
         events.append((0, f"rank {r}", f"fails at the\nstart of step {fail}"
                        if r == last else "stopped by\nthe agent"))
         events.append((1, f"rank {r}", f"joins again; loads the\nstep-{saved} "
-                                       f"checkpoint, {redo}"))
+                                       f"checkpoint, {redo}, runs on"))
     return events
 
 
@@ -260,7 +261,8 @@ def slurm_signal_labels(recipe: str | Path = RECIPE) -> dict[str, str]:
                      f"rank 0 writes preempted.json; exit {EXIT_PREEMPTED}",
         "workers": "DataLoader workers\n(own process group)",
         "workers signal": f"{sig}\n(scancel)",
-        "workers does": f"ignore {sig}; end when their rank ends\n(WatchParent)",
+        "workers does": f"ignore {sig}; end when their rank ends\n"
+                        "(each watches its rank)",
     }
 
 
