@@ -320,7 +320,8 @@ RELAUNCHED = """
 import os, signal
 import utils.train_cifar10 as train
 
-step, build_data = train.train_step, train.build_data
+steps = train.steps
+step, build_data = steps.train_step, steps.build_data
 
 def train_step(args, job, training, model, x, y):
     if os.environ["LAUNCH"] == "1" and job.rank == 1 and training.step == 8:
@@ -334,8 +335,8 @@ def failing_build_data(args, job):
     return build_data(args, job)
 
 if __name__ == "__main__":
-    train.train_step, train.build_data = train_step, failing_build_data
-    train.run()
+    steps.build_data = failing_build_data  # main calls it from steps
+    train.run(step=train_step)
 """
 
 

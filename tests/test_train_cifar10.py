@@ -195,8 +195,7 @@ def train_step(args, job, training, model, x, y):
         os.kill(os.getpid(), signal.SIGUSR1)
     return step(args, job, training, model, x, y)
 if __name__ == "__main__":  # not in DataLoader workers that spawn starts (macOS, Windows)
-    train.train_step = train_step
-    train.run()
+    train.run(step=train_step)
 """
 
 
@@ -254,8 +253,7 @@ def train_step(args, job, training, model, x, y):
         signalled.extend(workers)
     return step(args, job, training, model, x, y)
 if __name__ == "__main__":
-    train.train_step = train_step
-    train.run()
+    train.run(step=train_step)
 """
 
 
@@ -475,8 +473,7 @@ def train_step(args, job, training, model, x, y):
         time.sleep(300)
     return step(args, job, training, model, x, y)
 if __name__ == "__main__":
-    train.train_step = train_step
-    train.run()
+    train.run(step=train_step)
 """
 
 
@@ -569,12 +566,13 @@ def test_the_exact_evaluation_scores_rank_0s_model_even_when_the_ranks_buffers_d
 
 GPU_RUN = [*COMMON, "--loader", "gpu"]
 RECORD_KEYS = ["epoch", "step", "train_loss", "test_accuracy", "images_per_s",
-               "epoch_seconds", "world_size", "data", "model", "device", "loader"]
+               "epoch_seconds", "eval_seconds", "save_seconds", "world_size", "data", "model",
+               "device", "loader"]
 
 
-def in_process(*argv):
-    """main(argv) in this process (no interpreter start): (stdout, error message or
-    None)."""
+def in_process(*argv, step=None):
+    """main(argv, step) in this process (no interpreter start): (stdout, error message
+    or None)."""
     import contextlib
     import io
 
@@ -583,7 +581,7 @@ def in_process(*argv):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         try:
-            main(list(argv))
+            main(list(argv), step=step)
         except SystemExit as stop:
             return out.getvalue(), str(stop.code)
     return out.getvalue(), None
@@ -783,7 +781,7 @@ def test_a_stop_at_a_periodic_save_writes_no_second_checkpoint_and_one_after_the
 
     saved = []
     write = train.save_checkpoint
-    monkeypatch.setattr(train, "save_checkpoint", lambda path, state: (
+    monkeypatch.setattr(train.steps, "save_checkpoint", lambda path, state: (
         saved.append((os.path.basename(path), state.get("step"))), write(path, state)))
     step = train.train_step
 
@@ -798,18 +796,16 @@ def test_a_stop_at_a_periodic_save_writes_no_second_checkpoint_and_one_after_the
     try:
         # 512 images, batches of 64: 8 steps an epoch, 16 in all; a save every 5 steps; the flag is
         # agreed every 10 steps: the stop comes at step 10, which the periodic save has written
-        monkeypatch.setattr(train, "train_step", signalled_in_step(9))
         args = ["--data", data, "--workers", "0", "--loader", "workers", "--device", "cpu", "--no-progress",
                 "--epochs", "2", "--global-batch", "64", "--checkpoint-every", "5"]
-        out, error = in_process(*args, "--out", str(tmp_path / "stopped"))
+        out, error = in_process(*args, "--out", str(tmp_path / "stopped"), step=signalled_in_step(9))
         assert error == str(train.EXIT_PREEMPTED) and "SIGUSR1: every rank stopped after step 10" in out
         assert saved == [("checkpoint.pt", 5), ("checkpoint.pt", 8), ("checkpoint.pt", 10)]
         assert (tmp_path / "stopped" / "preempted.json").exists()
 
         # the signal during step 16, the last: the flag is agreed after it, and the run is complete
         saved.clear()
-        monkeypatch.setattr(train, "train_step", signalled_in_step(16))
-        out, error = in_process(*args, "--out", str(tmp_path / "last"))
+        out, error = in_process(*args, "--out", str(tmp_path / "last"), step=signalled_in_step(16))
         assert error is None and "SIGUSR1 after the last step (16): the run is complete" in out
         assert (tmp_path / "last" / "model_final.pt").exists()
         assert not (tmp_path / "last" / "preempted.json").exists()
@@ -826,7 +822,7 @@ def test_sigint_stops_at_the_agreed_step_and_only_a_later_second_one_interrupts(
     import utils.train_cifar10 as train
 
     clock = [100.0]
-    monkeypatch.setattr(train.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(train.preemption.time, "monotonic", lambda: clock[0])
     preemption = train.Preemption()
     preemption._note(signal.SIGINT, None)
     clock[0] += 0.01

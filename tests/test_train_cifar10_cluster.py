@@ -39,7 +39,7 @@ def test_an_exception_in_main_is_written_to_torchruns_error_file(tmp_path, monke
 
     def broken(args):
         raise RuntimeError("the node's GPU 3 is gone")
-    monkeypatch.setattr(train, "set_up_job", broken)
+    monkeypatch.setattr(train.steps, "set_up_job", broken)
     monkeypatch.setattr(sys, "argv", ["train_cifar10", "--out", str(tmp_path / "run")])
     with pytest.raises(RuntimeError, match="GPU 3 is gone"):
         train.run()  # what `python -m utils.train_cifar10` runs
@@ -51,7 +51,7 @@ def test_an_exception_in_main_is_written_to_torchruns_error_file(tmp_path, monke
 def test_a_checkpoint_is_renamed_into_place_and_its_folder_flushed(tmp_path,
                                                                     monkeypatch):
     flushed = []
-    monkeypatch.setattr(train, "_fsync_folder", flushed.append)
+    monkeypatch.setattr(train.checkpoints, "_fsync_folder", flushed.append)
     path = tmp_path / "model_final.pt"
     train.save_checkpoint(str(path), {"w": torch.arange(3)})
     assert flushed == [str(tmp_path)]
@@ -107,7 +107,7 @@ def test_a_resume_on_a_count_that_does_not_split_checks_the_checkpoint_first(
     first, and the message lists the counts its global batch splits over."""
     out = tiny_run(tmp_path, "--stop-at-step", "2")
     three = (False, 0, 0, 3, torch.device("cpu"))  # as rank 0 of 3 would see it
-    monkeypatch.setattr(train, "setup_distributed", lambda device, timeout: three)
+    monkeypatch.setattr(train.steps, "setup_distributed", lambda device, timeout: three)
     common = ["--data", str(tmp_path / "data"), "--out", str(out), "--resume",
               "--epochs", "1", "--device", "cpu", "--workers", "0"]
     with pytest.raises(SystemExit, match=r"cannot resume .*--global-batch 66 "
@@ -167,30 +167,6 @@ def test_a_run_with_fewer_than_3_steps_is_refused():
         train.one_cycle(optimizer, 0.1, 2)
 
 
-def test_setting_a_name_on_the_package_reaches_the_modules_that_use_it_and_undo_restores_it(monkeypatch):
-    """utils.train_cifar10 is a package; a test or script that sets a name on it (as on the one-file
-    script it was) must change what the modules that use the name call, and monkeypatch's undo (which
-    deletes a name the package did not hold itself) must put the modules' own back."""
-    import time
-
-    steps, preemption = sys.modules["utils.train_cifar10.steps"], sys.modules["utils.train_cifar10.preemption"]
-    step, load, every = steps.train_step, steps.load_cifar10, steps.PREEMPTED
-    with monkeypatch.context() as patch:
-        patch.setattr(train, "train_step", "wrapped")      # defined in steps, re-exported
-        patch.setattr(train, "write_atomically", "atomic")  # defined in checkpoints, used by preemption
-        patch.setattr(train, "load_cifar10", "loader")      # only imported by steps (from utils.data)
-        patch.setattr(train, "time", "clock")              # a module the modules import
-        patch.setattr(train, "PREEMPTED", "other.json")
-        assert (steps.train_step, preemption.write_atomically, steps.load_cifar10) == ("wrapped", "atomic",
-                                                                                       "loader")
-        assert preemption.time == sys.modules["utils.train_cifar10.restarts"].time == "clock"
-        assert steps.PREEMPTED == preemption.PREEMPTED == "other.json"
-    assert (steps.train_step, steps.load_cifar10, steps.PREEMPTED) == (step, load, every)
-    assert preemption.time is time and preemption.write_atomically is train.write_atomically
-    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
-        train.no_such_name
-
-
 @pytest.mark.parametrize("check_seconds, step_seconds, checks", [
     # fast steps: every 10 steps, on multiples of 10 (what the chapters' outputs show)
     (10.0, [0.1] * 30, [10, 20, 30]),
@@ -201,15 +177,95 @@ def test_the_ranks_agree_on_a_stop_more_often_where_ten_steps_take_longer_than_s
         monkeypatch, check_seconds, step_seconds, checks):
     """On main the ranks agreed every 10 steps whatever a step took: ten slow steps could outlast the
     shutdown budget that a scheduler gives after its signal."""
-    from types import SimpleNamespace
-
     preemption = sys.modules["utils.train_cifar10.preemption"]
     clock = [0.0]
     monkeypatch.setattr(preemption.time, "monotonic", lambda: clock[0])
-    stop, job, seen = train.Preemption(check_seconds), SimpleNamespace(ddp=False), []
+    stop, seen = train.Preemption(check_seconds), []
     for step, seconds in enumerate(step_seconds, start=1):
         clock[0] += seconds
         if stop.due(step):
-            stop.agreed(job, step)
+            stop.agreed(False, step=step)
             seen.append(step)
     assert seen == checks
+
+
+def test_the_test_set_on_the_device_gives_the_workers_loaders_exact_batches(tmp_path):
+    """With the GPU loader the test set is held on the device, normalised once: each batch is
+    a slice of it, with the values (bits) and labels the DataLoader's batches have, rank by
+    rank (uneven shards, no padding)."""
+    from utils.data import load_cifar10, write_synthetic_cifar10
+
+    write_synthetic_cifar10(str(tmp_path), n_train=64, n_test=1030, seed=0)
+    test_set = train.KeyedAugment(load_cifar10(str(tmp_path), train=False), 0, train=False)
+    args = train.parse_args(["--workers", "0"])
+    for rank in range(3):
+        job = train.Job(True, rank, rank, 3, torch.device("cpu"), 8, channels_last=True)
+        workers = list(train.make_test_loader(args, job, test_set, "workers", {}))
+        resident = train.make_test_loader(args, job, test_set, "gpu", {})
+        assert [len(y) for _, y in resident] == [len(y) for _, y in workers] == [343 + (rank == 0)]
+        for (x, y), (xw, yw) in zip(resident, workers):
+            assert torch.equal(x, xw) and torch.equal(y, yw)
+            assert x.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_the_metrics_line_times_evaluation_and_save_and_checkpoint_epochs_skips_saves(tmp_path):
+    """On main every epoch's end wrote a full checkpoint and evaluated, inside no timed figure."""
+    out = tiny_run(tmp_path, "--epochs", "3", "--checkpoint-epochs", "2", "--keep-checkpoints", "5")
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(line["eval_seconds"] > 0 for line in lines)
+    saved = [line["save_seconds"] > 0 for line in lines]
+    assert saved == [False, True, True]  # epoch 2 (every 2nd) and 3 (the last)
+    assert sorted(os.listdir(out)) == ["checkpoint-step16.pt", "checkpoint.pt", "done.json",
+                                       "metrics.jsonl", "model_final.pt"]
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 24
+
+
+class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """The reads of a tensor's values by the host that an operation makes (``.item()``,
+    ``bool``, ``float``, ``torch.equal``): each makes the host wait for a GPU."""
+    READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
+             torch.ops.aten.is_nonzero.default)
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_training_step_with_the_gpu_loader_makes_the_host_wait_for_nothing(tmp_path, monkeypatch):
+    """Steps 3 to 5 of a run with the GPU loader (here on the CPU), the loop's own work between
+    the steps included: no read of a tensor's value, no copy to the host. On a GPU each would
+    make the host wait, and the GPU then idles until the host has queued the next kernels.
+    (The loop reads the loss every --log-every steps, and agrees on a stop every 10: neither
+    falls in steps 3 to 5. --amp fp16 on CUDA: the fused SGD takes the scaler's inf flag on
+    the device; an optimizer that is not fused makes GradScaler.step read it every step.)"""
+    reads, mode = [], HostReads()
+    for name in ("tolist", "numpy", "cpu"):  # no operation of their own to see
+        method = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _method=method, **kwargs):
+            if mode in reads:
+                mode.seen.append(_name)
+            return _method(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    step = train.train_step
+
+    def watched(args, job, training, *rest):
+        if training.step == 2:
+            mode.__enter__()
+            reads.append(mode)
+        elif training.step == 5:
+            reads.remove(mode)
+            mode.__exit__(None, None, None)
+        return step(args, job, training, *rest)
+
+    from utils.data import write_synthetic_cifar10
+    write_synthetic_cifar10(str(tmp_path / "data"), n_train=512, n_test=64, seed=0)
+    train.main(["--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"), "--epochs", "1",
+                "--global-batch", "64", "--workers", "0", "--no-progress", "--device", "cpu",
+                "--loader", "gpu"], step=watched)
+    assert not reads and mode.seen == []

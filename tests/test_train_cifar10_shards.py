@@ -143,7 +143,7 @@ def test_counts_come_from_the_manifest_beside_the_shards_without_reading_them(
         served, monkeypatch):
     def no_read(url):
         raise AssertionError(f"{url} was read to count its samples")
-    monkeypatch.setattr(train, "count_samples", no_read)
+    monkeypatch.setattr(train.shards, "count_samples", no_read)
     stream, why, said = open_shards("--shards", served[1])
     assert stream.counts == [64] * SHARDS and stream.steps_per_epoch == 8
     assert why.endswith(f"counts from {served[0].url('manifest.json')}") and said == ""
@@ -195,8 +195,7 @@ def train_step(args, job, training, model, x, y):
                                   for row in x], y.tolist()))
     return step(args, job, training, model, x, y)
 if __name__ == "__main__":  # not in DataLoader workers
-    train.train_step = train_step
-    train.run()
+    train.run(step=train_step)
     out = sys.argv[sys.argv.index("--out") + 1]
     with open(os.path.join(out, f"seen{os.environ['RANK']}.json"), "w") as f:
         json.dump(seen, f)

@@ -13,7 +13,6 @@ import argparse
 import datetime as _dt
 import json
 import os
-import platform
 import sys
 import time
 
@@ -21,30 +20,11 @@ import torch
 from torch.utils.data import BatchSampler, DistributedSampler
 
 from . import results
+from .results import environment  # re-exported: the benchmarks' files name it
 from .samplers import PermutationShardSampler, ShardSampler
 
 __all__ = ["bench_sampler", "bench_samplers", "bench_ddp", "bench_restart",
            "environment"]
-
-
-def environment() -> dict:
-    """Hardware and software the measurement ran on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f
-                       if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "torch_threads": torch.get_num_threads(),
-    }
 
 
 def _time_once(sampler) -> float:

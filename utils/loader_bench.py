@@ -45,7 +45,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from ._checks import check_int
 from . import results
-from .bench import environment as bench_environment
+from .results import environment as bench_environment
 from .data import is_synthetic_cifar10, load_cifar10, write_synthetic_cifar10
 from .gpu_loader import CIFAR_MEAN, CIFAR_STD, GPULoader, augment_batch, count_ops
 

@@ -132,3 +132,28 @@ def stale(path: str, root: str = ROOT) -> list[str]:
         return ["(no sources recorded)"]
     return [s for s, digest in sorted(recorded.items())
             if source_hash(s, root) != digest]
+
+
+def environment() -> dict:
+    """Hardware and software the measurement ran on (torch imported here: reading
+    results files does not need it)."""
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f
+                       if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "torch_threads": torch.get_num_threads(),
+    }

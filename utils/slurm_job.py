@@ -62,8 +62,7 @@ def train_step(args, job, training, model, x, y):
     return step(args, job, training, model, x, y)
 
 if __name__ == "__main__":
-    train.train_step = train_step
-    train.run()
+    train.run(step=train_step)
 """
 
 

@@ -5,14 +5,23 @@ work ``utils.train_cifar10`` adds to each step.
         --synthetic --synthetic-size 2048 256 --global-batch 64 --workers 0 \\
         --data /tmp/step_data --out /tmp/step_out --result step.json
 
-Each epoch of ``--rounds`` (default 5) runs twice, in turns: once through the script's
+Each epoch of ``--rounds`` (default 5) runs twice, in turns (ABBA: the loop that goes
+first alternates, so that neither always runs on a warmer or a cooler machine): once
+through the script's
 ``train_epoch`` (its ``train_step``, the loss summed on the device, the stop flag the
 ranks agree on, the per-step seed, a checkpoint if ``--checkpoint-every`` asks), once
 through a bare DDP loop (move the batch, forward, loss, backward, optimizer step:
 nothing else), over the same loader, the same epoch's batches and the same wrapped
 model. A warm-up epoch of each comes first and is not counted. Each loop is timed from
-a barrier to the end of its last step on the device. Rank 0 prints the medians and,
-with ``--result``, writes them as JSON. Every other option is the training script's
+a barrier to the end of its last step on the device, in wall time and in rank 0's
+main thread's CPU time (``time.thread_time``: what the host spent, not what it waited
+for, which on the CPU is the other rank and gloo). The figures are paired: each round's
+ratio of the two rates, reported as min / median / max, so that a reader sees whether
+the spread is narrower than the difference. With CUDA, one more epoch of each loop runs
+under the profiler for its GPU-busy share (the time in which a kernel ran). Last comes
+the GPU-bound ceiling (``ceiling``; ``--no-ceiling`` skips it): one resident batch,
+no loader, no DDP, CUDA graphs. Rank 0 prints the figures and, with ``--result``,
+writes them as JSON. Every other option is the training script's
 (``python -m utils.train_cifar10 --help``); ``--epochs`` is set here.
 """
 
@@ -33,6 +42,9 @@ import torch.nn.functional as F
 
 from . import results
 from . import train_cifar10 as script
+
+# the loop that runs first in each round: alternating, ABBA
+ORDERS = (("bare", "capstone"), ("capstone", "bare"))
 
 # what the figures depend on (utils.results records their hashes)
 SOURCES = ["utils/step_bench.py", *results.package_sources("utils/train_cifar10"),
@@ -68,6 +80,9 @@ def parse(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
     own = argparse.ArgumentParser(prog="python -m utils.step_bench", add_help=False)
     own.add_argument("--rounds", type=int, default=5)
     own.add_argument("--result", help="rank 0 writes the figures here, as JSON")
+    own.add_argument("--no-ceiling", dest="ceiling", action="store_false",
+                     help="skip the GPU-bound ceiling (its compilation takes a minute "
+                          "on a GPU)")
     mine, rest = own.parse_known_args(argv)
     if mine.rounds < 1:
         raise SystemExit(f"error: --rounds must be at least 1, got {mine.rounds}")
@@ -84,6 +99,109 @@ def parse(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
     return mine, args
 
 
+def run_loop(name: str, args, job, data, training, model, optimizer) -> int:
+    """One epoch of loop ``name`` (``bare``, ``capstone``) over the same batches: its
+    number of steps."""
+    data.set_epoch(0, 0, job.batch_size)  # the same batches for both
+    if name == "bare":
+        return bare_epoch(model, optimizer, data.train_loader, job, args.amp)
+    training.step_in_epoch = 0
+    script.train_epoch(args, job, data, training, model, restarts=1)
+    return training.steps_run
+
+
+def timed_rounds(mine, args, job, data, training, model, optimizer
+                 ) -> tuple[dict, dict]:
+    """``(wall seconds, main thread's CPU seconds)`` of each loop's epochs, in ABBA
+    order, after a warm-up round."""
+    seconds = {"bare": [], "capstone": []}
+    cpu_seconds = {"bare": [], "capstone": []}
+    for round_ in range(mine.rounds + 1):  # round 0: the warm-up
+        for name in ORDERS[round_ % 2]:
+            _settled(job)
+            t0, c0 = time.perf_counter(), time.thread_time()
+            steps = run_loop(name, args, job, data, training, model, optimizer)
+            _settled(job)
+            if round_:
+                seconds[name].append(time.perf_counter() - t0)
+                cpu_seconds[name].append(time.thread_time() - c0)
+            if steps != data.steps_per_epoch:
+                raise SystemExit(f"error: the {name} loop ran {steps} steps, not "
+                                 f"{data.steps_per_epoch}")
+    return seconds, cpu_seconds
+
+
+def covered_fraction(busy: list[tuple[float, float]],
+                     everything: list[tuple[float, float]]) -> float:
+    """The share of the span of ``everything`` (``(start, end)`` intervals) that the
+    union of the ``busy`` intervals covers."""
+    start = min(s for s, _ in everything)
+    end = max(e for _, e in everything)
+    covered, reach = 0.0, start
+    for s, e in sorted(busy):
+        s, e = max(s, reach), min(e, end)
+        if e > s:
+            covered, reach = covered + e - s, e
+    return covered / (end - start) if end > start else 0.0
+
+
+def gpu_busy(run, job) -> float | None:
+    """The share of one call of ``run`` in which this GPU ran a kernel (the profiler's
+    kernel intervals over the span of everything it recorded); ``None`` without
+    CUDA."""
+    if not job.cuda:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    _settled(job)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize(job.device)
+    events = [e for e in prof.events() if e.time_range.end > e.time_range.start]
+    kernels = [(e.time_range.start, e.time_range.end) for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+        return None
+    return round(covered_fraction(kernels, [(e.time_range.start, e.time_range.end)
+                                            for e in events]), 3)
+
+
+def ceiling(mine, args, job, data, training) -> dict:
+    """The GPU-bound ceiling: forward, backward and the optimizer's step on one batch
+    already on the device, again and again, with no loader and no DDP, compiled with
+    CUDA as CUDA graphs (``mode="reduce-overhead"``): what the GPU alone allows.
+    Its steps/s (the median of ``--rounds`` epochs, after a warm-up) and GPU-busy
+    share."""
+    model = training.model
+    if job.cuda:
+        model = torch.compile(model, mode="reduce-overhead")
+    data.set_epoch(0, 0, job.batch_size)
+    x, y = next(iter(data.train_loader))
+    x = x.to(job.device, memory_format=job.memory_format)
+    y = y.to(job.device)
+    steps = data.steps_per_epoch
+
+    def epoch():
+        for _ in range(steps):
+            with torch.autocast(job.device.type, dtype=torch.bfloat16,
+                                enabled=args.amp is not None):
+                loss = F.cross_entropy(model(x), y)
+            training.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            training.optimizer.step()
+
+    seconds = []
+    for round_ in range(mine.rounds + 1):
+        _settled(job)
+        t0 = time.perf_counter()
+        epoch()
+        _settled(job)
+        if round_:
+            seconds.append(time.perf_counter() - t0)
+    return {"steps_per_s": round(steps / statistics.median(seconds), 2),
+            "gpu_busy": gpu_busy(epoch, job)}
+
+
 def main(argv=None) -> dict | None:
     mine, args = parse(argv)
     if args.deterministic:
@@ -92,34 +210,27 @@ def main(argv=None) -> dict | None:
         job = script.set_up_job(args)
         job.preemption = preemption
         data = script.build_data(args, job)
-        model, optimizer, scheduler = script.build_model(args, data.steps_per_epoch)
+        model, optimizer, scheduler = script.build_model(args, data.steps_per_epoch,
+                                                         fused=job.cuda)
         training = script.resume_or_start(args, job, data, model, optimizer, scheduler)
         model = script.wrap_model(args, job, training)
-        seconds = {"bare": [], "capstone": []}
-        for round_ in range(mine.rounds + 1):  # round 0: the warm-up
-            for name in ("bare", "capstone"):
-                data.set_epoch(0, 0, job.batch_size)  # the same batches for both
-                _settled(job)
-                t0 = time.perf_counter()
-                if name == "bare":
-                    steps = bare_epoch(model, optimizer, data.train_loader, job,
-                                       args.amp)
-                else:
-                    training.step_in_epoch = 0
-                    script.train_epoch(args, job, data, training, model, restarts=1)
-                    steps = training.steps_run
-                _settled(job)
-                if round_:
-                    seconds[name].append(time.perf_counter() - t0)
-                if steps != data.steps_per_epoch:
-                    raise SystemExit(f"error: the {name} loop ran {steps} steps, not "
-                                     f"{data.steps_per_epoch}")
+        loops = (args, job, data, training, model, optimizer)
+        seconds, cpu_seconds = timed_rounds(mine, *loops)
+        busy = {name: gpu_busy(lambda: run_loop(name, *loops), job)
+                for name in ORDERS[0]}
+        # last: each rank trains its own copy there, without DDP
+        top = ceiling(mine, args, job, data, training) if mine.ceiling else None
         result = None
         if job.master:
-            result = report(args, mine, job, data, seconds, argv)
-            print(json.dumps({k: result[k] for k in (
-                "bare_steps_per_s", "capstone_steps_per_s", "capstone_over_bare")}),
-                flush=True)
+            result = report(args, mine, job, data, seconds, cpu_seconds, argv)
+            result.update(gpu_busy=busy, ceiling=top)
+            if top:
+                result["capstone_over_ceiling"] = round(
+                    result["capstone_steps_per_s"] / top["steps_per_s"], 3)
+            print(json.dumps({k: result.get(k) for k in (
+                "bare_steps_per_s", "capstone_steps_per_s", "capstone_over_bare",
+                "capstone_over_bare_per_round", "gpu_busy",
+                "capstone_over_ceiling")}), flush=True)
             if mine.result:
                 results.write(mine.result, result, SOURCES, gpu=job.cuda)
         if job.ddp:
@@ -127,9 +238,18 @@ def main(argv=None) -> dict | None:
     return result
 
 
-def report(args, mine, job, data, seconds: dict, argv) -> dict:
+def paired(seconds: dict) -> dict:
+    """Each round's capstone rate over the bare loop's (their seconds' inverse ratio),
+    as ``min``, ``median``, ``max``."""
+    ratios = [b / c for b, c in zip(seconds["bare"], seconds["capstone"])]
+    return {"min": round(min(ratios), 3), "median": round(statistics.median(ratios), 3),
+            "max": round(max(ratios), 3)}
+
+
+def report(args, mine, job, data, seconds: dict, cpu_seconds: dict, argv) -> dict:
     steps = data.steps_per_epoch
     rate = {name: steps / statistics.median(s) for name, s in seconds.items()}
+    cpu_rate = {name: steps / statistics.median(s) for name, s in cpu_seconds.items()}
     return {
         "benchmark": "utils.step_bench: the capstone's train_epoch against a bare DDP "
                      "loop, same processes, same batches, in turns",
@@ -148,11 +268,19 @@ def report(args, mine, job, data, seconds: dict, argv) -> dict:
         "amp": args.amp, "sync_bn": args.sync_bn, "loader": data.loader,
         "batch_per_rank": job.batch_size, "steps_per_epoch": steps,
         "checkpoint_every": args.checkpoint_every, "rounds": mine.rounds,
+        "order": "ABBA: the bare loop first in even rounds (0: the warm-up), the "
+                 "capstone first in odd ones",
         "seconds_per_epoch": {k: [round(t, 4) for t in v] for k, v in seconds.items()},
+        "thread_cpu_seconds_per_epoch": {k: [round(t, 4) for t in v]
+                                         for k, v in cpu_seconds.items()},
         "bare_steps_per_s": round(rate["bare"], 2),
         "capstone_steps_per_s": round(rate["capstone"], 2),
         "capstone_images_per_s": round(rate["capstone"] * args.global_batch, 1),
-        "capstone_over_bare": round(rate["capstone"] / rate["bare"], 3)}
+        "capstone_over_bare": paired(seconds)["median"],
+        "capstone_over_bare_per_round": paired(seconds),
+        "bare_steps_per_thread_cpu_s": round(cpu_rate["bare"], 2),
+        "capstone_steps_per_thread_cpu_s": round(cpu_rate["capstone"], 2),
+        "capstone_over_bare_thread_cpu_per_round": paired(cpu_seconds)}
 
 
 if __name__ == "__main__":

@@ -33,13 +33,15 @@ the model and its inputs use ``channels_last``. The training loop waits for the 
 where it must: the loss is summed on the device and read every ``--log-every`` steps
 (progress bar) and at the end of each epoch, and a checkpoint (``--checkpoint-every``,
 each epoch's end) copies the weights off it. ``--sync-bn`` (torch's SyncBatchNorm, off
-by default) adds a collective to every BatchNorm layer's forward and backward, and
-``--amp fp16``'s loss scaler reads its overflow flag every step: both make the host wait
-for the GPU. ``--compile`` compiles the model.
+by default) adds a collective to every BatchNorm layer's forward and backward, which
+makes the host wait for the GPU; with CUDA the SGD is fused (one kernel, and ``--amp
+fp16``'s loss scaler hands it its overflow flag on the device: no wait).
+``--compile`` compiles the model.
 
 Each epoch rank 0 writes one JSON line to ``OUT/metrics.jsonl``: ``epoch``, ``step``,
 ``train_loss`` (the mean over the epoch's steps and ranks), ``test_accuracy``,
-``images_per_s``, ``epoch_seconds``, ``world_size``, ``data``, ``model``,
+``images_per_s``, ``epoch_seconds`` (the steps), ``eval_seconds``, ``save_seconds``
+(0 where ``--checkpoint-epochs`` skips the epoch), ``world_size``, ``data``, ``model``,
 ``device``, and ``loader`` (``gpu`` or ``workers``; added with ``--loader``;
 ``webdataset`` with ``--data-format webdataset``).
 
@@ -57,23 +59,25 @@ The modules follow the sections of chapters 12 and 13, each of which names its m
     per_node      step 3: data per node; rank 0 decides whether to resume
     restarts      (chapter 13) a store per attempt; timeouts: a hang becomes a restart
     preemption    (chapter 13) a signal, one agreed checkpoint, exit code 75
-    loaders       step 4: the GPU loader, or DataLoader workers
+    job           Job: this process's rank, device and batch
     shards        --data-format webdataset: tar shards, as many steps on every rank
+    loaders       step 4: the GPU loader, or DataLoader workers
+    state         Data and Training: the loaders, and what a checkpoint holds
     launcher      (chapter 13) checks of torchrun, srun and the GPUs; the process group
     steps         the run, one named step after another (``main``, ``run``)
 
-Every name they define is a name of this package too (``utils.train_cifar10.main``), and
-setting one here (a test's ``monkeypatch.setattr``, chapter 13's preemption demo that
-wraps ``train_step``) sets it in every module of the package that uses it, as it did
-when the script was one file.
+Their imports go one way, to ``steps`` at the top (``tests/test_imports.py`` finds no
+circle, type-only imports included): the shared state sits in ``job`` and ``state``,
+which import none of the modules that take it, and the modules under those take plain
+values. Every name they define is a name of this package too
+(``utils.train_cifar10.main``); to replace one, patch the module that uses it
+(``utils.train_cifar10.steps``), and a different training step goes to ``main`` or
+``run`` as ``step=`` (chapter 13's preemption demo).
 """
 
 from __future__ import annotations
 
-import sys
-import types
-
-from .settings import add_run_arguments, check_args, parse_args
+from .settings import add_run_arguments, add_speed_arguments, check_args, parse_args
 from .recipe import (GlobalAvgPool, make_model, one_cycle, per_process_batch, SimpleCNN)
 from .augment import KeyedAugment
 from .checkpoints import (CHECKPOINT, FORMAT, LEGACY_SETTINGS, RUN_SETTINGS,
@@ -91,53 +95,17 @@ from .shards import (IMAGE_KEYS, SHUFFLE_BUFFER, EpochBatches, ShardStream,
                      manifest_counts, no_manifest_line, open_shards, read_manifest,
                      reader_batches, sample_index, shard_counts, steps_per_epoch,
                      stream_loader)
-from .loaders import (FIT_FRACTION, agreed_free_memory, batch_dtype, choose_loader,
-                      eval_workers, make_train_loader, shield_worker, worker_start)
+from .loaders import (EVAL_BATCH, FIT_FRACTION, agreed_free_memory, batch_dtype,
+                      choose_loader, eval_workers, make_test_loader, make_train_loader,
+                      shield_worker, worker_start)
 from .launcher import (check_compile, check_gpus, launcher_args, refuse_elastic_nnodes,
                        refuse_srun_without_torchrun, setup_distributed)
-from .steps import (build_data, build_model, Data, end_epoch, evaluate, finish,
-                    grad_scaler, Job, main, prepare_only, progress_bar,
-                    resume_or_start, rng_states, run, save, set_up_job, show_progress,
-                    start_log, train, train_epoch, train_step, Training,
-                    use_deterministic_algorithms, wrap_model)
+from .job import Job
+from .state import Data, Training
+from .steps import (build_data, build_model, end_epoch, evaluate, finish, grad_scaler,
+                    main, prepare_only, progress_bar, resume_or_start, rng_states, run,
+                    save, set_up_job, show_progress, start_log, train, train_epoch,
+                    train_step, use_deterministic_algorithms, wrap_model)
 
 MODULES = ("settings", "recipe", "augment", "checkpoints", "per_node", "restarts",
-           "preemption", "loaders", "shards", "launcher", "steps")
-
-
-class _Package(types.ModuleType):
-    """This package, read and set as the one-file script was.
-
-    A name that only a module imports is read from it (``train.load_cifar10``,
-    ``train.time``), and ``package.name = value`` replaces ``name`` in every module of
-    the package that holds the same object as the package does (the module that defines
-    it and those that import it), then here. A module patched directly, not through the
-    package, no longer holds that object and is left alone."""
-
-    def __getattr__(self, name: str):
-        for namespace in _namespaces():
-            if name in namespace and not name.startswith("__"):
-                # kept here too, like the names imported above, so that what set it
-                # (monkeypatch) finds it here to put it back
-                self.__dict__[name] = namespace[name]
-                return namespace[name]
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-    def __setattr__(self, name: str, value) -> None:
-        if name not in MODULES and not name.startswith("__"):
-            old = getattr(self, name, _NOTHING)
-            if old is not _NOTHING:
-                for namespace in _namespaces():
-                    if namespace.get(name, _NOTHING) is old:
-                        namespace[name] = value
-        super().__setattr__(name, value)
-
-
-def _namespaces() -> list[dict]:
-    """The namespaces of the package's modules that are imported."""
-    modules = (sys.modules.get(f"{__name__}.{name}") for name in MODULES)
-    return [module.__dict__ for module in modules if module is not None]
-
-
-_NOTHING = object()
-sys.modules[__name__].__class__ = _Package
+           "preemption", "job", "shards", "loaders", "state", "launcher", "steps")

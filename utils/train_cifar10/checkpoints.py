@@ -9,14 +9,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from typing import TYPE_CHECKING
-
 import torch
 
 from ..samplers import ShardSampler
-
-if TYPE_CHECKING:
-    from .steps import Training
 
 
 CHECKPOINT = "checkpoint.pt"
@@ -149,20 +144,21 @@ def load_checkpoint(path: str, config: dict) -> dict:
     return state
 
 
-def keep_older(args, training: Training) -> None:
-    """With ``--keep-checkpoints K > 1``, keep the checkpoint about to be replaced as
+def keep_older(args, path: str, saved_step: int | None, step: int) -> None:
+    """With ``--keep-checkpoints K > 1``, keep the checkpoint at ``path`` (of step
+    ``saved_step``) that step ``step``'s is about to replace as
     ``checkpoint-step<N>.pt`` (a hard link: no copy), and only the K-1 newest of
     those."""
-    if (args.keep_checkpoints < 2 or training.saved_step in (None, training.step)
-            or not os.path.exists(training.path)):
+    if (args.keep_checkpoints < 2 or saved_step in (None, step)
+            or not os.path.exists(path)):
         return
-    folder = os.path.dirname(training.path)
-    older = os.path.join(folder, f"checkpoint-step{training.saved_step}.pt")
+    folder = os.path.dirname(path)
+    older = os.path.join(folder, f"checkpoint-step{saved_step}.pt")
     if not os.path.exists(older):
         try:
-            os.link(training.path, older)
+            os.link(path, older)
         except OSError:  # a file system without hard links
-            shutil.copyfile(training.path, older)
+            shutil.copyfile(path, older)
     kept = sorted((int(name[len("checkpoint-step"):-3]), name)
                   for name in os.listdir(folder)
                   if re.fullmatch(r"checkpoint-step\d+\.pt", name))

@@ -11,17 +11,12 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
 from ..workers import STOP_SIGNALS
 from .checkpoints import write_atomically
 from .per_node import from_rank_0
-
-if TYPE_CHECKING:
-    from .steps import Job, Training
 
 
 PREEMPTED = "preempted.json"  # rank 0 writes it when a signal stopped the run
@@ -108,13 +103,14 @@ class Preemption:
             self._next += STOP_CHECK_EVERY
         return step >= self._next
 
-    def agreed(self, job, step: int | None = None) -> int:
-        """The signal any rank has received (0 if none), the same on every rank; with
-        ``step``, a scheduled agreement (``due``), which sets the next one."""
+    def agreed(self, ddp: bool, group=None, step: int | None = None) -> int:
+        """The signal any rank has received (0 if none), the same on every rank (an
+        all-reduce over ``group`` when ``ddp``); with ``step``, a scheduled agreement
+        (``due``), which sets the next one."""
         elapsed = time.monotonic() - self._last[1] if self._last else 0.0
         flag = torch.tensor([self.signal, int(elapsed * 1000)], dtype=torch.int64)
-        if job.ddp:  # on the CPU: gloo
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=job.control)
+        if ddp:  # on the CPU: gloo
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if step is not None:
             slowest_ms = max(int(flag[1]), 1)
             fit = int(self.check_seconds * 1000 * (step - self._last[0]) // slowest_ms)
@@ -123,7 +119,7 @@ class Preemption:
         return int(flag[0])
 
 
-def refuse_restart_after_preemption(args, job: Job) -> None:
+def refuse_restart_after_preemption(args, master: bool, ddp: bool) -> None:
     """A signal stopped this run (its ``preempted.json`` names this run), and torchrun
     restarted the ranks, as it does when the signal reached them but not its agent:
     stop again with ``EXIT_PREEMPTED`` instead of training on (a new job, after a
@@ -137,7 +133,7 @@ def refuse_restart_after_preemption(args, job: Job) -> None:
     restarted and resumes, instead of reading the last job's file as its own."""
     found = None
     path = os.path.join(args.out, PREEMPTED)
-    if job.master and int(os.environ.get("TRAIN_CIFAR10_ATTEMPT", 0)) > 0:
+    if master and int(os.environ.get("TRAIN_CIFAR10_ATTEMPT", 0)) > 0:
         try:
             with open(path) as f:
                 found = json.load(f)
@@ -146,7 +142,7 @@ def refuse_restart_after_preemption(args, job: Job) -> None:
         if found and any(found.get(key) != value
                          for key, value in this_run().items()):
             found = None
-    found = from_rank_0(found, job.ddp)
+    found = from_rank_0(found, ddp)
     if found:
         print(f"{found['signal']} stopped this job after step {found['step']} "
               f"({path}); a restart does not go on: run the job again with --resume",
@@ -165,13 +161,13 @@ def this_run() -> dict:
             "slurm_restart": int(env("SLURM_RESTART_COUNT", 0))}
 
 
-def write_preempted(args, training: Training) -> None:
-    """``preempted.json``: the step and signal, and which run wrote it (``this_run``),
+def write_preempted(args, step: int, stop_signal: int) -> None:
+    """``preempted.json``: the step after which the ranks stopped and the signal
+    (``stop_signal``), and which run wrote it (``this_run``),
     with torchrun's restart count and the agreed attempt, so that a job script can tell
     a file of its own run from an older one."""
     env = os.environ.get
-    record = {"step": training.step,
-              "signal": signal.Signals(training.stop_signal).name,
+    record = {"step": step, "signal": signal.Signals(stop_signal).name,
               **this_run(),
               "torchrun_restart": int(env("TORCHELASTIC_RESTART_COUNT", 0)),
               "attempt": int(env("TRAIN_CIFAR10_ATTEMPT", 0))}

@@ -57,19 +57,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2,
                    help="DataLoader workers per process (training with --loader "
                         "workers; the test set always)")
-    p.add_argument("--loader", choices=["auto", "gpu", "workers"], default="auto",
-                   help="training data: gpu: the uint8 set on the device, augmented "
-                        "there in whole batches (on the CPU too: the same tensor "
-                        "code); "
-                        "workers: a DataLoader with worker processes; auto: gpu with "
-                        "CUDA if the set takes at most 1/4 of the free GPU memory on "
-                        "every rank, else workers")
-    p.add_argument("--channels-last", choices=["auto", "yes", "no"], default="auto",
-                   help="channels_last memory format for the model and its inputs "
-                        "(auto: yes with CUDA)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the model and the GPU loader's augmentation "
-                        "(g++ or $CXX on the CPU; Triton, cc and Python.h on CUDA)")
     p.add_argument("--log-every", type=int, default=50,
                    help="read the loss from the device every N steps for the "
                         "progress bar (the only reads during an epoch)")
@@ -88,10 +75,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic algorithms and fixed DDP buckets: "
                         "bit-identical restarts (slower)")
+    add_speed_arguments(p)
     add_run_arguments(p)
     args = p.parse_args(argv)
     check_args(p, args)
     return args
+
+
+def add_speed_arguments(p: argparse.ArgumentParser) -> None:
+    """How the data reaches the model, and how the model runs."""
+    p.add_argument("--loader", choices=["auto", "gpu", "workers"], default="auto",
+                   help="training data: gpu: the uint8 set on the device, augmented "
+                        "there in whole batches (on the CPU too: the same tensor "
+                        "code); "
+                        "workers: a DataLoader with worker processes; auto: gpu with "
+                        "CUDA if the set takes at most 1/4 of the free GPU memory on "
+                        "every rank, else workers")
+    p.add_argument("--channels-last", choices=["auto", "yes", "no"], default="auto",
+                   help="channels_last memory format for the model and its inputs "
+                        "(auto: yes with CUDA)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model and the GPU loader's augmentation "
+                        "(g++ or $CXX on the CPU; Triton, cc and Python.h on CUDA)")
+    p.add_argument("--compile-mode", default="default",
+                   choices=["default", "reduce-overhead", "max-autotune",
+                            "max-autotune-no-cudagraphs"],
+                   help="torch.compile's mode with --compile: reduce-overhead "
+                        "replays each compiled graph's kernels as a CUDA graph, one "
+                        "launch from the host instead of one per kernel (default: "
+                        "default)")
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -99,7 +111,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/cifar10",
                    help="folder for metrics.jsonl and checkpoints")
     p.add_argument("--checkpoint-every", type=int, default=0,
-                   help="save every N steps (0: at epoch ends)")
+                   help="also save every N steps (0: not mid-epoch)")
+    p.add_argument("--checkpoint-epochs", type=int, default=1, metavar="K",
+                   help="save at the end of every K-th epoch and of the last one "
+                        "(default 1: every epoch; 0: at no epoch's end). A stop "
+                        "(--stop-at-step, a signal) always saves")
     p.add_argument("--keep-checkpoints", type=int, default=1, metavar="K",
                    help="keep the last K checkpoints: checkpoint.pt and K-1 older "
                         "ones, checkpoint-step<N>.pt (default 1)")
@@ -137,7 +153,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, "
                     f"got {getattr(args, name)}")
-    for name in ("workers", "seed", "checkpoint_every"):
+    for name in ("workers", "seed", "checkpoint_every", "checkpoint_epochs"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be 0 or more, "
                     f"got {getattr(args, name)}")

@@ -71,7 +71,7 @@ from ..seeding import derive_seed
 from .augment import KeyedAugment
 
 if TYPE_CHECKING:
-    from .steps import Job
+    from .job import Job
 
 
 SHUFFLE_BUFFER = 1000  # samples in each reader's shuffle buffer

@@ -13,7 +13,6 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -22,30 +21,32 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
 
 from ..data import is_synthetic_cifar10, load_cifar10
-from ..gpu_loader import GPULoader, resident_bytes
-from ..metrics import EvalShardSampler, sum_over_ranks
+from ..gpu_loader import resident_bytes
+from ..metrics import sum_over_ranks
 from ..seeding import derive_seed, seed_everything
 from ..workers import WatchParent, end_workers
 from .augment import KeyedAugment
-from .checkpoints import (CHECKPOINT, FORMAT, EpochSampler, keep_older, run_config,
-                          save_checkpoint, write_atomically)
+from .checkpoints import (CHECKPOINT, FORMAT, keep_older, run_config, save_checkpoint,
+                          write_atomically)
+from .job import Job
 from .launcher import check_compile, setup_distributed
-from .loaders import (agreed_free_memory, batch_dtype, choose_loader, eval_workers,
-                      make_train_loader, shield_worker, worker_start)
+from .loaders import (agreed_free_memory, batch_dtype, choose_loader,
+                      make_test_loader, make_train_loader, shield_worker, worker_start)
 from .per_node import agree_on_resume, check_same_data, prepare_data
 from .preemption import (DONE, EXIT_PREEMPTED, PREEMPTED, Preemption,
                          refuse_restart_after_preemption, this_run, write_preempted)
 from .recipe import BASE_LR, did_not_learn, make_model, one_cycle, per_process_batch
 from .restarts import shorten_timeouts
 from .settings import parse_args
-from .shards import EpochBatches, ShardStream, check_resume, open_shards
+from .shards import check_resume, open_shards
+from .state import Data, Training
 
 
-def main(argv=None) -> None:
-    """The whole run, one named step after another."""
+def main(argv=None, step=None) -> None:
+    """The whole run, one named step after another. ``step``: the training step,
+    ``train_step`` unless one is given (chapter 13 passes one that sends a signal)."""
     args = parse_args(argv)
     if args.prepare_only:
         prepare_only(args)
@@ -57,11 +58,12 @@ def main(argv=None) -> None:
         job = set_up_job(args)
         job.preemption = preemption
         data = build_data(args, job)
-        model, optimizer, scheduler = build_model(args, data.steps_per_epoch)
+        model, optimizer, scheduler = build_model(args, data.steps_per_epoch,
+                                                  fused=job.cuda)
         training = resume_or_start(args, job, data, model, optimizer, scheduler)
         model = wrap_model(args, job, training)
         metrics = start_log(args, job, data)
-        train(args, job, data, training, model, metrics)
+        train(args, job, data, training, model, metrics, step or train_step)
         finish(args, job, training, metrics)
     if training.failed:  # rank 0's last line (under torchrun, above its report); exit 1
         raise SystemExit(training.failed if job.master else 1)
@@ -88,33 +90,6 @@ def use_deterministic_algorithms() -> None:
     # instead of stopping
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = False
-
-
-@dataclass
-class Job:
-    """This process's place in the run (``setup_distributed``'s answer), and what
-    follows from it."""
-    ddp: bool
-    rank: int
-    local_rank: int
-    world_size: int
-    device: torch.device
-    batch_size: int  # this process's share of --global-batch
-    channels_last: bool
-    control: object = None  # the group preemption flags go over (None: the default)
-    preemption: Preemption | None = None  # its flag; None: never stop for a signal
-
-    @property
-    def cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0  # rank 0 alone logs and saves
-
-    @property
-    def memory_format(self) -> torch.memory_format:
-        return torch.channels_last if self.channels_last else torch.contiguous_format
 
 
 def set_up_job(args) -> Job:
@@ -144,30 +119,6 @@ def set_up_job(args) -> Job:
                else None)
     return Job(ddp, rank, local_rank, world_size, device, batch_size, channels_last,
                control)
-
-
-@dataclass
-class Data:
-    """The data sets and their loaders."""
-    train_set: KeyedAugment | ShardStream
-    test_set: KeyedAugment
-    synthetic: bool
-    steps_per_epoch: int
-    loader: str  # "gpu", "workers" or "webdataset" (--data-format)
-    why: str  # why that loader (choose_loader, open_shards)
-    train_loader: GPULoader | DataLoader | EpochBatches
-    sampler: EpochSampler | None  # the workers loader's
-    test_loader: DataLoader
-
-    def set_epoch(self, epoch: int, step_in_epoch: int, batch_size: int) -> None:
-        """Start the training loader at step ``step_in_epoch`` of ``epoch``."""
-        if self.loader == "gpu":
-            self.train_loader.set_epoch(epoch, start_batch=step_in_epoch)
-        elif self.loader == "webdataset":
-            self.train_set.set_epoch(epoch, step_in_epoch)
-        else:
-            self.sampler.set_epoch(epoch, start=step_in_epoch * batch_size,
-                                   stop=self.steps_per_epoch * batch_size)
 
 
 def build_data(args, job: Job) -> Data:
@@ -203,59 +154,23 @@ def build_data(args, job: Job) -> Data:
                          multiprocessing_context=worker_start(args.workers))
     train_loader, sampler = make_train_loader(args, job, train_set, loader,
                                               loader_kwargs)
-    test_loader = DataLoader(test_set, batch_size=512,
-                             sampler=EvalShardSampler(test_set, job.world_size,
-                                                      job.rank),
-                             **{**loader_kwargs,
-                                "num_workers": eval_workers(args.workers)})
+    test_loader = make_test_loader(args, job, test_set, loader, loader_kwargs)
     return Data(train_set, test_set, synthetic, steps_per_epoch, loader, why,
                 train_loader, sampler, test_loader)
 
 
-def build_model(args, steps_per_epoch: int):
-    """``(model, optimizer, scheduler)``, the same initial weights on every rank."""
+def build_model(args, steps_per_epoch: int, fused: bool = False):
+    """``(model, optimizer, scheduler)``, the same initial weights on every rank.
+    ``fused`` (with CUDA): one kernel updates every parameter, and ``--amp fp16``'s
+    scaler hands it its inf flag on the device, where an SGD that is not fused makes
+    ``GradScaler.step`` read the flag on the host every step."""
     torch.manual_seed(args.seed)  # one seed where ranks must agree: the initial weights
     model = make_model(args.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay, nesterov=True)
+                                weight_decay=args.weight_decay, nesterov=True,
+                                fused=True if fused else None)
     scheduler = one_cycle(optimizer, args.lr, args.epochs * steps_per_epoch)
     return model, optimizer, scheduler
-
-
-@dataclass
-class Training:
-    """What a checkpoint holds: the unwrapped model, the optimizer, the schedule and
-    where the run stands; and where the checkpoint goes."""
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    path: str
-    config: dict  # run_config: what a resumed run must repeat
-    epoch: int = 0
-    step_in_epoch: int = 0
-    step: int = 0  # over all epochs
-    scaler: object = None  # --amp fp16's GradScaler (disabled otherwise)
-    # the epoch's loss so far: before this process started (from the checkpoint: the
-    # sum of the global batches' mean losses, and their number), and this rank's since
-    loss_before: float = 0.0
-    steps_before: int = 0
-    loss_sum: torch.Tensor | None = None  # on the device
-    steps_run: int = 0
-    saved_step: int | None = None  # the step of the checkpoint at ``path``
-    stop_signal: int = 0  # the signal the ranks agreed to stop on (0: none)
-    failed: str | None = None  # why the run did not learn (recipe.did_not_learn)
-    # reseed before every step (None: not known before this process's first step, which
-    # reseeds and looks whether anything drew random numbers)
-    reseed: bool | None = None
-    stepped: bool = False  # this process has done a step: short timeouts from then on
-
-    def epoch_loss(self, world_size: int) -> tuple[float, int]:
-        """``(sum of the global batches' mean losses, their number)`` for the epoch so
-        far, on every rank (a collective)."""
-        mine = 0.0 if self.loss_sum is None else float(self.loss_sum)
-        (total,) = sum_over_ranks(mine)
-        return (self.loss_before + total / world_size,
-                self.steps_before + self.steps_run)
 
 
 def resume_or_start(args, job: Job, data: Data, model: nn.Module, optimizer,
@@ -267,7 +182,7 @@ def resume_or_start(args, job: Job, data: Data, model: nn.Module, optimizer,
                         os.path.join(args.out, CHECKPOINT),
                         run_config(args, len(data.train_set), data.loader),
                         scaler=grad_scaler(args.amp == "fp16"))
-    refuse_restart_after_preemption(args, job)
+    refuse_restart_after_preemption(args, job.master, job.ddp)
     state = (agree_on_resume(training.path, training.config, job.rank, job.ddp)
              if args.resume else None)
     if state is not None and data.loader == "webdataset":
@@ -325,7 +240,9 @@ def wrap_model(args, job: Job, training: Training) -> nn.Module:
         model = DDP(model, device_ids=[job.local_rank] if job.cuda else None,
                     **fixed_buckets)
     if args.compile:
-        model = torch.compile(model)  # after the DDP wrap: compiled per bucket
+        # after the DDP wrap: compiled per bucket
+        model = torch.compile(model, mode=None if args.compile_mode == "default"
+                              else args.compile_mode)
     return model
 
 
@@ -362,7 +279,7 @@ def save(args, training: Training, job: Job) -> None:
         # a loss that is no longer finite: keep the last good checkpoint (the epoch's
         # end then fails the run: did_not_learn)
         if job.master and math.isfinite(epoch_loss[0]):
-            keep_older(args, training)
+            keep_older(args, training.path, training.saved_step, training.step)
             save_checkpoint(training.path, {
                 "format": FORMAT, "model": training.model.state_dict(),
                 "optimizer": training.optimizer.state_dict(),
@@ -377,7 +294,8 @@ def save(args, training: Training, job: Job) -> None:
                 "workers": args.workers, "config": training.config})
         training.saved_step = training.step  # on every rank: they decide alike
     if job.master and training.stop_signal and training.epoch < args.epochs:
-        write_preempted(args, training)  # before the barrier: no rank exits first
+        # before the barrier: no rank exits first
+        write_preempted(args, training.step, training.stop_signal)
     if job.ddp:
         # nobody runs ahead of a checkpoint that may be needed to restart them
         dist.barrier()
@@ -422,14 +340,14 @@ def rank_lines(job: Job) -> list[str]:
 
 
 def train(args, job: Job, data: Data, training: Training, model: nn.Module,
-          metrics) -> None:
+          metrics, step=None) -> None:
     """Epochs until ``--epochs``, ``--stop-at-step``, or a signal the ranks agreed on
-    (``training.stop_signal``)."""
+    (``training.stop_signal``), each step of them ``step`` (``train_step``)."""
     # --fail-at-step fails a rank in its node's first attempt only
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     while training.epoch < args.epochs:
         data.set_epoch(training.epoch, training.step_in_epoch, job.batch_size)
-        totals = train_epoch(args, job, data, training, model, restarts)
+        totals = train_epoch(args, job, data, training, model, restarts, step)
         if totals is None:
             # stopped mid-epoch, as a job whose time ran out: save where it stands
             save(args, training, job)
@@ -450,7 +368,7 @@ def train(args, job: Job, data: Data, training: Training, model: nn.Module,
 
 
 def train_epoch(args, job: Job, data: Data, training: Training, model: nn.Module,
-                restarts: int) -> tuple[int, float] | None:
+                restarts: int, step=None) -> tuple[int, float] | None:
     """The rest of this epoch: ``(images, seconds)``, or ``None`` if
     ``--stop-at-step`` or a signal stopped it mid-epoch."""
     bar = progress_bar(args, job, data, training)
@@ -467,7 +385,7 @@ def train_epoch(args, job: Job, data: Data, training: Training, model: nn.Module
             # as a CUDA out-of-memory error or a failed save raises
             raise RuntimeError(f"--fail-at-step {args.fail_at_step}: rank {job.rank} "
                                "fails (a test of restarts)")
-        loss = train_step(args, job, training, model, x, y)
+        loss = (step or train_step)(args, job, training, model, x, y)
         if not training.stepped:
             shorten_timeouts(job, args.step_timeout)
             training.stepped = True
@@ -482,9 +400,10 @@ def train_epoch(args, job: Job, data: Data, training: Training, model: nn.Module
                 and training.step_in_epoch < data.steps_per_epoch):
             save(args, training, job)
         if job.preemption and job.preemption.due(training.step):
-            training.stop_signal = job.preemption.agreed(job, training.step)
+            training.stop_signal = job.preemption.agreed(job.ddp, job.control,
+                                                         training.step)
         elif job.preemption and training.step_in_epoch == data.steps_per_epoch:
-            training.stop_signal = job.preemption.agreed(job)
+            training.stop_signal = job.preemption.agreed(job.ddp, job.control)
         if training.step == args.stop_at_step or training.stop_signal:
             break
     if bar is not None:
@@ -556,24 +475,35 @@ def rng_states(job: Job) -> list[torch.Tensor]:
 
 def end_epoch(args, job: Job, data: Data, training: Training, metrics, seen: int,
               elapsed: float) -> None:
-    """Test accuracy, a checkpoint at the epoch's end, and rank 0's metrics line."""
+    """Test accuracy, a checkpoint at the epoch's end (``--checkpoint-epochs``, or a
+    stop), and rank 0's metrics line, which times the epoch's steps, the evaluation and
+    the save apart."""
     # the mean over the epoch's global batches, those before a resume included
     loss, steps = training.epoch_loss(job.world_size)
     training.loss_before, training.steps_before = 0.0, 0
+    t0 = time.perf_counter()
     accuracy = evaluate(training.model, data.test_loader, job.device)
+    eval_seconds = time.perf_counter() - t0  # evaluate reads its sums: the GPU is done
     training.epoch, training.step_in_epoch = training.epoch + 1, 0
     # the same verdict on every rank (loss and accuracy are summed over all ranks);
     # a run that failed keeps its last good checkpoint
     training.failed = did_not_learn(loss / max(steps, 1), accuracy,
                                     training.epoch == args.epochs, training.step)
-    if not training.failed:
+    t0 = time.perf_counter()
+    every = args.checkpoint_epochs
+    if not training.failed and (
+            (every and (training.epoch % every == 0 or training.epoch == args.epochs))
+            or training.stop_signal or training.step == args.stop_at_step):
         save(args, training, job)
+    save_seconds = time.perf_counter() - t0
     if job.master:
         record = {"epoch": training.epoch, "step": training.step,
                   "train_loss": round(loss / max(steps, 1), 4),
                   "test_accuracy": round(accuracy, 4),
                   "images_per_s": round(seen / elapsed, 1),
-                  "epoch_seconds": round(elapsed, 2), "world_size": job.world_size,
+                  "epoch_seconds": round(elapsed, 2),
+                  "eval_seconds": round(eval_seconds, 2),
+                  "save_seconds": round(save_seconds, 2), "world_size": job.world_size,
                   "data": "synthetic" if data.synthetic else "cifar10",
                   "model": args.model, "device": job.device.type,
                   "loader": data.loader}
@@ -601,15 +531,16 @@ def finish(args, job: Job, training: Training, metrics) -> None:
         dist.destroy_process_group()
 
 
-def run() -> None:
+def run(step=None) -> None:
     """The command line's entry point: ``main`` under torchelastic's ``@record``, so
     that under torchrun a rank's exception and traceback reach its error file and
     torchrun prints them (instead of ``error_file: <N/A>``). ``main`` itself, which
     notebooks and tests call in-process, goes without: ``@record`` also sets up a fault
     handler on the process's stderr. A rank that raises ends its DataLoader workers
-    before it exits (``end_workers``: without that it would never exit)."""
+    before it exits (``end_workers``: without that it would never exit). ``step``: as
+    ``main``'s."""
     try:
-        record(main)()
+        record(main)(step=step)
     except BaseException:
         end_workers()
         raise
