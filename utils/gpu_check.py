@@ -1,7 +1,7 @@
 """`make gpu-check`: the CUDA paths of the book, checked on every local GPU, with a
 results file.
 
-    python -m utils.gpu_check --quick        # the checks worth most: 4 min on an H100
+    python -m utils.gpu_check --quick        # the checks worth most: 6 min on one GPU
     python -m utils.gpu_check                # the full profile
     python -m utils.gpu_check --make-test    # ... and `make test` on this machine too
     python -m utils.gpu_check --quick --dry-run    # the plan and its timings only
@@ -35,8 +35,10 @@ NCCL versions, the command, the date, the commit, every check's result and secon
    loaders, the GPU-resident one among them);
 5. ``throughput``: ``utils.step_bench``: the script's own epoch loop against a bare
    DDP loop in the same processes, over the same batches (no SyncBN, no mid-epoch
-   checkpoint);
-6. ``scripts_speed``: what a reader may expect of the book's two training scripts,
+   checkpoint), in ABBA order, each loop's GPU-busy share, and the GPU-bound ceiling;
+6. ``compiled_step``: the same with ``--compile --compile-mode reduce-overhead`` (CUDA
+   graphs), without the ceiling;
+7. ``scripts_speed``: what a reader may expect of the book's two training scripts,
    ``examples/train_ddp.py`` and ``utils.train_cifar10 --amp``, under ``torchrun`` on
    one GPU and on all (ResNet-18, 50,000 synthetic images): the seconds and images/s
    of their second epoch (``python -m utils.expected_results`` shows them).
@@ -647,15 +649,35 @@ def throughput_check(nproc: int, work: str, device: str = "cuda") -> dict:
     """``utils.step_bench`` on all GPUs: the script's own epoch loop against a bare DDP
     loop in the same processes, over the same batches, without SyncBN and without
     mid-epoch checkpoints (ResNet-18, bf16 autocast, 128 images per GPU, 60 steps an
-    epoch, 5 timed epochs of each)."""
+    epoch, 5 timed epochs of each, in ABBA order), each loop's GPU-busy share, and the
+    GPU-bound ceiling (one resident batch, no loader, no DDP, CUDA graphs)."""
+    return _step_bench(nproc, work, device, "step_bench", [])
+
+
+def compiled_step_check(nproc: int, work: str, device: str = "cuda") -> dict:
+    """``throughput``'s benchmark with the model compiled as CUDA graphs (``--compile
+    --compile-mode reduce-overhead``): the step that launches least from the host,
+    without the ceiling (``throughput`` measures it). Rehearsed on the CPU without
+    ``--compile``: its compilation there would take minutes, and proves nothing of
+    CUDA graphs."""
+    extra = ["--no-ceiling"]
+    if device == "cuda":
+        extra += ["--compile", "--compile-mode", "reduce-overhead"]
+    return _step_bench(nproc, work, device, "step_bench_compiled", extra)
+
+
+def _step_bench(nproc: int, work: str, device: str, name: str,
+                extra: list[str]) -> dict:
+    """``utils.step_bench`` under torchrun with the quick runs' settings and
+    ``extra``; its results file's figures, or why there are none."""
     args = common_args(nproc, work, device, sync_bn=False)
     args = _without(_without(args, "--epochs"), "--checkpoint-every")  # set there, off
     steps = 60 if device == "cuda" else 8
     args = _with(args, "--synthetic-size",
                  str(steps * int(_arg(args, "--global-batch"))))
     args = _with(args, "--data", os.path.join(work, "bench_data"))
-    args += ["--out", os.path.join(work, "bench_out")]
-    path = os.path.join(work, "step_bench.json")
+    args += ["--out", os.path.join(work, f"{name}_out"), *extra]
+    path = os.path.join(work, f"{name}.json")
     t0 = time.perf_counter()
     returncode, stdout, stderr = _torchrun(nproc, args + ["--result", path],
                                            module="utils.step_bench")
@@ -683,6 +705,7 @@ SPEED_EPOCHS = 2  # the last one's seconds and images/s are read: the first also
 SPEED_BUDGET = 150  # seconds for the whole check; a run not started by then is skipped
 SPEED_RUN_TIMEOUT = 90  # seconds for one run (well under a minute each on an H100)
 SPEED_MIN_RUN = 15  # seconds of the budget below which no run is started
+DEADLINE = None  # --quick: time.perf_counter() when its QUICK_MINUTES are up
 
 
 def speed_world_sizes(nproc: int) -> list[int]:
@@ -778,8 +801,9 @@ def scripts_speed_check(nproc: int, work: str, device: str = "cuda") -> dict:
     newcomer runs them (``torchrun``), on one GPU and on all: examples/train_ddp.py
     (float32, DataLoader workers) and utils.train_cifar10 (bf16 autocast, the GPU
     loader), ResNet-18, the second of 2 epochs of 50,000 synthetic 32x32 images.
-    Within ``SPEED_BUDGET`` seconds in all, writing the data included: a run that
-    would start later is skipped. Passed: every run printed its epoch's figures (its
+    Within ``SPEED_BUDGET`` seconds in all, writing the data included, and with
+    ``--quick`` within its ``QUICK_MINUTES`` (``DEADLINE``): a run that would start
+    later is skipped. Passed: every run printed its epoch's figures (its
     exit status, which a "did not learn" verdict after the last epoch may make 1, is
     recorded)."""
     from .data import write_synthetic_cifar10
@@ -794,13 +818,15 @@ def scripts_speed_check(nproc: int, work: str, device: str = "cuda") -> dict:
             stem = script.removesuffix(".py").replace("/", ".").split(".")[-1]
             name = f"speed_{stem}_{world}"
             args = speed_args(script, device, data, os.path.join(work, name), world)
-            left = SPEED_BUDGET - (time.perf_counter() - t0)
+            left = min(SPEED_BUDGET - (time.perf_counter() - t0),
+                       (DEADLINE or math.inf) - time.perf_counter())
             if left < SPEED_MIN_RUN:
                 timings.append({
                     "script": script, "world_size": world, "seconds_per_epoch": None,
                     "images_per_s": None,
                     "command": _shown(torchrun_command(world, args, module=script)),
-                    "skipped": f"the check's {SPEED_BUDGET} s were spent"})
+                    "skipped": f"the check's {SPEED_BUDGET} s, or --quick's "
+                               f"{QUICK_MINUTES} minutes, were spent"})
                 continue
             timings.append(speed_run(script, world, args,
                                      min(SPEED_RUN_TIMEOUT, left)))
@@ -976,20 +1002,24 @@ SPEED_ONE_GPU = ("scripts_speed on several GPUs: needs 2 GPUs (both scripts time
                  "1)")
 # --quick: the checks in order of what they are worth, within QUICK_MINUTES on one GPU
 QUICK = ["collectives", "loader_no_sync", "capstone", "loader_bench", "throughput",
-         "scripts_speed"]
+         "compiled_step", "scripts_speed"]
 QUICK_MINUTES = 6
 QUICK_RUN_TIMEOUT = 150  # seconds for one process of --quick (and of --rehearse)
 QUICK_LEAVES = ("--quick leaves to the full profile: SyncBatchNorm, DataLoader workers "
-                "feeding the GPUs, --compile, --amp fp16, resume on fewer GPUs, two "
+                "feeding the GPUs, --compile's restart pair, --amp fp16, resume on fewer GPUs, two "
                 "nodes, make test")
 # seconds each check takes on one GPU, as --dry-run states them: {check: (seconds,
-# where that figure comes from)}. Measured: the first --quick on one H100 (its
-# check_seconds, rounded up; 178 s in all); the run now in book/results/gpu_check_quick_
-# nvidia_h100_80gb_hbm3.json, of the loader and loop as they are now, took 149 s.
+# where that figure comes from)}. Measured: the second --quick on one H100 (its
+# check_seconds, rounded up; 149 s in all), book/results/gpu_check_quick_nvidia_h100_
+# 80gb_hbm3.json as of 2026-11-26 (the first took 178 s).
 H100 = "measured, 1 x H100 80GB, 2026-11-26"
 STATED_SECONDS = {
-    "collectives": (15, H100), "loader_no_sync": (7, H100), "capstone": (105, H100),
-    "loader_bench": (20, H100), "throughput": (40, H100),
+    "collectives": (10, H100), "loader_no_sync": (5, H100), "capstone": (86, H100),
+    "loader_bench": (18, H100),
+    "throughput": (72, "32 s measured on 1 x H100 before the ceiling; + an estimated "
+                       "40 s to compile the ceiling's forward and backward"),
+    "compiled_step": (80, "estimate: throughput's run without the ceiling, + compiling "
+                          "the DDP model as CUDA graphs"),
     # writing the data (~8 s), utils.train_cifar10 (~10 s to start, 2 epochs of ~5 s
     # at the ~10,700 images/s of throughput's run, and their test passes), and
     # examples/train_ddp.py in float32 (~10 s to start, 2 epochs at ~5,000 images/s)
@@ -1080,11 +1110,17 @@ def stated_seconds(name: str, gpus: int) -> tuple[int, str]:
     return seconds, source
 
 
-def stated_plan(checks: list[str], gpus: int) -> tuple[list[str], int]:
-    """The plan's lines, with the seconds each check is stated to take, and the sum."""
+def stated_plan(checks: list[str], gpus: int, minutes: float | None = None
+                ) -> tuple[list[str], int]:
+    """The plan's lines, with the seconds each check is stated to take, and the sum.
+    ``minutes`` (--quick's): ``scripts_speed`` runs only what the checks before it
+    leave of them (``DEADLINE``), and is stated so."""
     lines, total = [], 0
     for name in checks:
         seconds, source = stated_seconds(name, gpus)
+        left = None if minutes is None else int(60 * minutes) - total
+        if name == "scripts_speed" and left is not None and seconds > left:
+            seconds, source = left, f"what --quick's {minutes} minutes leave; {source}"
         total += seconds
         lines.append(f"{name:<22} {seconds:>5} s  ({source})")
     return lines, total
@@ -1151,7 +1187,8 @@ CHECKS = {"collectives": collectives_check, "loader_no_sync": loader_sync_check,
           "loader_workers": loader_workers_check, "compile": compile_check,
           "amp_fp16": amp_fp16_check, "resume_on_fewer_gpus": fewer_gpus_check,
           "two_nodes": two_nodes_check, "loader_bench": loader_bench_check,
-          "throughput": throughput_check, "scripts_speed": scripts_speed_check,
+          "throughput": throughput_check, "compiled_step": compiled_step_check,
+          "scripts_speed": scripts_speed_check,
           "make_test": make_test_check}
 
 
@@ -1216,15 +1253,18 @@ def main(argv=None) -> int:
     if args.rehearse and args.make_test:
         p.error("--make-test runs make test on a GPU machine; leave it out of "
                 "--rehearse (make test runs on the CPU anyway)")
-    global RUN_TIMEOUT
+    global RUN_TIMEOUT, DEADLINE
+    DEADLINE = None
     if args.quick:
         RUN_TIMEOUT = QUICK_RUN_TIMEOUT
+        DEADLINE = time.perf_counter() + 60 * QUICK_MINUTES
     available = torch.cuda.is_available()
     count = torch.cuda.device_count() if available else 0
     if args.dry_run:
         gpus = 2 if args.rehearse else max(count, 1)
         checks, not_checked = plan(gpus, make_test=args.make_test, profile=profile)
-        lines, total = stated_plan(checks, gpus)
+        lines, total = stated_plan(checks, gpus,
+                                   QUICK_MINUTES if profile == "quick" else None)
         where = ("this CPU (--rehearse: 2 gloo ranks)" if args.rehearse else
                  f"{count} GPU(s)" if count else "1 GPU (none here)")
         print(f"gpu-check {profile} plan on {where}; {RUN_TIMEOUT} s at most per "
