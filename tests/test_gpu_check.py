@@ -132,6 +132,7 @@ def test_the_quick_profile_rehearsed_on_the_cpu(tmp_path, monkeypatch):
     ratios = bench["capstone_over_bare_per_round"]
     assert 0 < ratios["min"] <= ratios["median"] == bench["capstone_over_bare"] <= ratios["max"]
     assert bench["gpu_busy"] == {"bare": None, "capstone": None}  # no CUDA: no kernel to time
+    assert bench["capstone_host_syncs_per_epoch"] is None
     assert bench["ceiling"]["steps_per_s"] > 0 and bench["capstone_over_ceiling"] > 0
     compiled = checks["compiled_step"]["result"]
     assert compiled["ceiling"] is None and "--no-ceiling" in compiled["command"]

@@ -648,21 +648,30 @@ def loader_bench_check(nproc: int, work: str, device: str = "cuda") -> dict:
 def throughput_check(nproc: int, work: str, device: str = "cuda") -> dict:
     """``utils.step_bench`` on all GPUs: the script's own epoch loop against a bare DDP
     loop in the same processes, over the same batches, without SyncBN and without
-    mid-epoch checkpoints (ResNet-18, bf16 autocast, 128 images per GPU, 60 steps an
-    epoch, 5 timed epochs of each, in ABBA order), each loop's GPU-busy share, and the
-    GPU-bound ceiling (one resident batch, no loader, no DDP, CUDA graphs)."""
+    mid-epoch checkpoints (ResNet-18, bf16 autocast, ``BENCH_BATCH`` images per GPU,
+    60 steps an epoch, 5 timed epochs of each, in ABBA order), each loop's GPU-busy
+    share, and the GPU-bound ceiling (one resident batch, no loader, no DDP, CUDA
+    graphs)."""
     return _step_bench(nproc, work, device, "step_bench", [])
+
+
+# images per GPU in the step benchmarks: the script's default global batch (256) on each
+# GPU. At 128 an H100's forward and backward of ResNet-18 (about 2.8 ms) filled about a
+# quarter of the 11 ms step (issue 48): the host set the pace.
+BENCH_BATCH = 256
 
 
 def compiled_step_check(nproc: int, work: str, device: str = "cuda") -> dict:
     """``throughput``'s benchmark with the model compiled as CUDA graphs (``--compile
     --compile-mode reduce-overhead``): the step that launches least from the host,
     without the ceiling (``throughput`` measures it). Rehearsed on the CPU without
-    ``--compile``: its compilation there would take minutes, and proves nothing of
-    CUDA graphs."""
+    ``--compile`` and with one round: its compilation there would take minutes, and
+    proves nothing of CUDA graphs."""
     extra = ["--no-ceiling"]
     if device == "cuda":
         extra += ["--compile", "--compile-mode", "reduce-overhead"]
+    else:  # the orchestration only: throughput's rehearsal has measured the rest
+        extra += ["--rounds", "1"]
     return _step_bench(nproc, work, device, "step_bench_compiled", extra)
 
 
@@ -673,6 +682,8 @@ def _step_bench(nproc: int, work: str, device: str, name: str,
     args = common_args(nproc, work, device, sync_bn=False)
     args = _without(_without(args, "--epochs"), "--checkpoint-every")  # set there, off
     steps = 60 if device == "cuda" else 8
+    if device == "cuda":
+        args = _with(args, "--global-batch", str(BENCH_BATCH * nproc))
     args = _with(args, "--synthetic-size",
                  str(steps * int(_arg(args, "--global-batch"))))
     args = _with(args, "--data", os.path.join(work, "bench_data"))
@@ -1006,8 +1017,8 @@ QUICK = ["collectives", "loader_no_sync", "capstone", "loader_bench", "throughpu
 QUICK_MINUTES = 6
 QUICK_RUN_TIMEOUT = 150  # seconds for one process of --quick (and of --rehearse)
 QUICK_LEAVES = ("--quick leaves to the full profile: SyncBatchNorm, DataLoader workers "
-                "feeding the GPUs, --compile's restart pair, --amp fp16, resume on fewer GPUs, two "
-                "nodes, make test")
+                "feeding the GPUs, --compile's restart pair, --amp fp16, resume on "
+                "fewer GPUs, two nodes, make test")
 # seconds each check takes on one GPU, as --dry-run states them: {check: (seconds,
 # where that figure comes from)}. Measured: the second --quick on one H100 (its
 # check_seconds, rounded up; 149 s in all), book/results/gpu_check_quick_nvidia_h100_

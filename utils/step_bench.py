@@ -18,7 +18,9 @@ main thread's CPU time (``time.thread_time``: what the host spent, not what it w
 for, which on the CPU is the other rank and gloo). The figures are paired: each round's
 ratio of the two rates, reported as min / median / max, so that a reader sees whether
 the spread is narrower than the difference. With CUDA, one more epoch of each loop runs
-under the profiler for its GPU-busy share (the time in which a kernel ran). Last comes
+under the profiler for its GPU-busy share (the time in which a kernel ran), and one of
+the script's loop under ``torch.cuda.set_sync_debug_mode("warn")``, which counts the
+host's waits for the GPU (the epoch's end reads the loss: 1). Last comes
 the GPU-bound ceiling (``ceiling``; ``--no-ceiling`` skips it): one resident batch,
 no loader, no DDP, CUDA graphs. Rank 0 prints the figures and, with ``--result``,
 writes them as JSON. Every other option is the training script's
@@ -166,6 +168,25 @@ def gpu_busy(run, job) -> float | None:
                                             for e in events]), 3)
 
 
+def host_syncs(run, job) -> int | None:
+    """How many times one call of ``run`` made the host wait for this GPU
+    (``torch.cuda.set_sync_debug_mode("warn")``: each synchronising call warns);
+    ``None`` without CUDA."""
+    if not job.cuda:
+        return None
+    import warnings
+
+    _settled(job)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchronizing" in str(w.message) for w in seen)
+
+
 def ceiling(mine, args, job, data, training) -> dict:
     """The GPU-bound ceiling: forward, backward and the optimizer's step on one batch
     already on the device, again and again, with no loader and no DDP, compiled with
@@ -218,12 +239,15 @@ def main(argv=None) -> dict | None:
         seconds, cpu_seconds = timed_rounds(mine, *loops)
         busy = {name: gpu_busy(lambda: run_loop(name, *loops), job)
                 for name in ORDERS[0]}
+        # the script's epoch reads its loss once, at its end: 1 expected
+        syncs = host_syncs(lambda: run_loop("capstone", *loops), job)
         # last: each rank trains its own copy there, without DDP
         top = ceiling(mine, args, job, data, training) if mine.ceiling else None
         result = None
         if job.master:
             result = report(args, mine, job, data, seconds, cpu_seconds, argv)
-            result.update(gpu_busy=busy, ceiling=top)
+            result.update(gpu_busy=busy, capstone_host_syncs_per_epoch=syncs,
+                          ceiling=top)
             if top:
                 result["capstone_over_ceiling"] = round(
                     result["capstone_steps_per_s"] / top["steps_per_s"], 3)
