@@ -244,7 +244,7 @@ def loader_sync(device: str) -> dict:
         for (x, y), (gx, gy) in zip(expected, got))
     return {"device": device, "batches": len(got), "host_syncs_checked": cuda,
             "host_sync_error": error, "batches_equal_cpu": equal,
-            # the CPU normalises by arithmetic, a GPU by the table: the same bits?
+            # the same arithmetic on the CPU and on a GPU: the same bits?
             "bit_identical_cpu": equal and all(
                 torch.equal(x, gx.cpu()) for (x, _), (gx, _) in zip(expected, got)),
             "passed": equal and error is None}

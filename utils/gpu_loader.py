@@ -3,15 +3,19 @@ as whole-batch tensor operations, every random choice keyed by ``(seed, epoch)``
 
 The training set lives on the device as one uint8 tensor, with its zero border
 (``padding``) added once. At the start of each epoch the host makes the epoch's plan
-(the order, as ``ShardSampler``'s, and each sample's crop and flip, in NumPy) and copies
-it to the device in one pinned copy; then this rank's images are gathered from the
-padded set, cropped and flipped by the gather's own indices, and normalised (on a GPU
-by a lookup in a table of the 256 values per channel, in the batches' dtype; on the CPU
-by a conversion, a multiply and an add), all at once: at most 8 tensor operations on a
-GPU (``count_ops`` counts them on the CPU), whatever the number of batches, and no
-host synchronisation. Each batch is then two slices of the result; the next epoch's
-plan is made while the first batch trains. The same code runs on CPU tensors, which
-is how it is tested.
+(the order, as ``ShardSampler``'s, and each sample's crop and flip, in NumPy: per
+image, where its crop begins in the padded set, whether it is mirrored, its label)
+and copies it to the device in one pinned copy. Then this rank's crops are gathered
+by one ``index_select`` from a strided view of the padded set in which each crop is
+one item (one index per image, none per row or pixel), mirrored by a ``where``, and
+normalised as ``reference_augment`` normalises them (a conversion to float32, a
+multiply, an add, then the batches' dtype), all at once: at most 11 tensor operations
+on a GPU, the permutation and the plan's copy included (``count_ops`` counts them on
+the CPU, which has no copy to make), whatever the number of batches, and no host
+synchronisation. No index tensor is larger than the plan: none per row or pixel,
+made by the loader or inside an operation. Each batch is then two slices of the
+result; the next epoch's plan is made while the first batch trains. The same code
+runs on CPU tensors, which is how it is tested.
 
 Public names (stable; the benchmark and chapter 14 import them):
 
@@ -27,8 +31,9 @@ Public names (stable; the benchmark and chapter 14 import them):
 - ``augment_draws(seed, epoch, indices, padding)``: the crop offsets and flips of many
   samples, as tensors on ``indices``' device; ``sample_draws(seed, epoch, index,
   padding)``: one sample's, as Python ints (the same values).
-- ``resident_bytes(images, padding, dtype, num_replicas)``: the bytes the loader
-  allocates on its device at most (kept, and at an epoch's set-up);
+- ``resident_bytes(images, padding, dtype, num_replicas)``: the most bytes the
+  loader has allocated on its device at once (kept, and at an epoch's set-up), as
+  measured (``tests/test_gpu_loader.py`` measures it);
   ``CIFAR_MEAN``, ``CIFAR_STD``: the default normalisation.
 
 Where each random choice comes from:
@@ -243,33 +248,39 @@ def reference_augment(image, seed: int, epoch: int, index: int, *, padding: int 
     return crop.float().mul(scale[0]).add(shift[0])  # x / 255 - mean, over std
 
 
-def _augment(data: torch.Tensor, indices: torch.Tensor, draws, padding: int,
-             flip: bool, norm: tuple[torch.Tensor, torch.Tensor], channels_last: bool,
-             dtype: torch.dtype) -> torch.Tensor:
-    """The images ``data[indices]`` augmented with ``draws``, by whole-batch operations:
-    crop and flip are index arithmetic on small ``(B, H)`` and ``(B, W)`` tensors, one
-    broadcast gather reads every output pixel from its source, the pixels that fall in
-    the padding are set to zero, and one conversion, one multiply and one add make the
-    normalised floats. Whatever the number of images, that is the same dozen or so
-    tensor operations."""
-    _, height, width, _ = data.shape
-    dy, dx, flipped = draws
-    device = data.device
-    rows = dy[:, None] + torch.arange(-padding, height - padding, device=device)
-    cols = dx[:, None] + torch.arange(-padding, width - padding, device=device)
-    if flip:
-        # output column j shows the crop's column W-1-j
-        cols = torch.where(flipped[:, None], cols.flip(1), cols)
-    outside = (((rows < 0) | (rows >= height))[:, :, None]
-               | ((cols < 0) | (cols >= width))[:, None, :])  # (B, H, W)
-    # one gather: the index tensors broadcast to (B, H, W), none of them materialised
-    x = data[indices[:, None, None], rows.clamp(0, height - 1)[:, :, None],
-             cols.clamp(0, width - 1)[:, None, :]]  # (B, H, W, C) uint8
-    x.masked_fill_(outside[..., None], 0)
-    # (B, H, W, C) seen as (B, C, H, W) is channels_last memory already
+def _windows(padded: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Every ``height x width`` crop of the padded images ``padded`` (contiguous uint8
+    ``(N, H + 2p, W + 2p, C)``) as one item of a strided view ``(S, height, width *
+    C)``: item ``s`` is the crop whose top-left pixel is pixel ``s`` of the images laid
+    end to end, its rows ``W + 2p`` pixels apart. A view, not a copy: gathering ``n``
+    crops takes ``n`` indices, one per image. (Items that straddle two images exist,
+    and no plan asks for them.)"""
+    n, padded_height, padded_width, channels = padded.shape
+    count = n * padded_height * padded_width - (height - 1) * padded_width - width + 1
+    return padded.as_strided((count, height, width * channels),
+                             (channels, padded_width * channels, 1))
+
+
+def _crop_flip_normalise(windows: torch.Tensor, starts: torch.Tensor, flipped,
+                         norm: tuple[torch.Tensor, torch.Tensor], channels_last: bool,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """The crops ``windows[starts]`` (``_windows``; ``starts``: one int64 per image),
+    mirrored where ``flipped`` (bool, one per image; ``None``: none), normalised as
+    ``reference_augment`` normalises: ``(n, C, H, W)`` in ``dtype``.
+
+    One ``index_select`` gathers the crops (the only index: ``starts``), ``flip`` and
+    ``where`` mirror them, a conversion to float32, a multiply and an add normalise
+    (two roundings, as ``reference_augment``'s: the same bits on any device), and a
+    conversion makes ``dtype``. With ``P`` the crops' uint8 bytes, at most ``5 P``
+    (float32) or ``6 P`` (2-byte dtypes) are allocated at once: ``resident_bytes``."""
+    scale, shift = norm
+    n, (_, height, row), channels = starts.shape[0], windows.shape, scale.numel()
+    x = windows.index_select(0, starts).view(n, height, row // channels, channels)
+    if flipped is not None:  # whole crops mirrored: no index per pixel
+        x = torch.where(flipped.view(n, 1, 1, 1), x.flip(2), x)
+    # (n, H, W, C) seen as (n, C, H, W) is channels_last memory already
     layout = torch.channels_last if channels_last else torch.contiguous_format
     x = x.permute(0, 3, 1, 2).to(torch.float32, memory_format=layout)
-    scale, shift = norm
     x = x.mul_(scale).add_(shift)
     return x if dtype == torch.float32 else x.to(dtype)
 
@@ -318,6 +329,8 @@ def augment_batch(data: torch.Tensor, indices, seed: int, epoch: int, *,
     bfloat16/float16 for AMP: the float32 result rounded), with ``channels_last``
     strides if asked. ``indices`` and ``keys`` are used where they are: pass them on
     ``data``'s device (a CPU tensor is copied there, which on CUDA waits for the copy).
+    What it allocates is bounded by the batch: its images padded, its crops, and one
+    index per image (no index per pixel).
     """
     if (not isinstance(data, torch.Tensor) or data.dtype != torch.uint8
             or data.dim() != 4 or not data.is_contiguous()):
@@ -336,30 +349,50 @@ def augment_batch(data: torch.Tensor, indices, seed: int, epoch: int, *,
     if keys.shape != indices.shape:
         raise ValueError(f"keys must have one key per index: {len(keys)} keys for "
                          f"{len(indices)} indices")
-    draws = _draws(_epoch_key(seed, epoch), keys, 2 * padding + 1)
-    return _augment(data, indices.to(torch.int64), draws, padding, flip, norm,
-                    check_bool("channels_last", channels_last), _check_dtype(dtype))
+    channels_last = check_bool("channels_last", channels_last)
+    dtype = _check_dtype(dtype)
+    dy, dx, flipped = _draws(_epoch_key(seed, epoch), keys, 2 * padding + 1)
+    # this batch's images with their zero border: its crops are then plain items
+    padded = F.pad(data.index_select(0, indices), (0, 0) + (padding,) * 4)
+    n, padded_height, padded_width, _ = padded.shape
+    starts = torch.arange(n, device=data.device) * (padded_height * padded_width)
+    starts += dy * padded_width + dx  # each crop's top-left pixel
+    windows = _windows(padded, data.shape[1], data.shape[2])
+    return _crop_flip_normalise(windows, starts, flipped if flip else None, norm,
+                                channels_last, dtype)
 
 
-def crop_and_look_up(data: torch.Tensor, table: torch.Tensor, channel: torch.Tensor,
-                     rows: torch.Tensor, cols: torch.Tensor, index: torch.Tensor,
-                     dy: torch.Tensor, first: torch.Tensor, step: torch.Tensor,
-                     channels_last: bool) -> torch.Tensor:
-    """The GPU loader's augmentation: image ``index[b]`` of the padded ``data`` (``(N,
-    H + 2p, W + 2p, C)`` uint8), its rows from ``dy[b]``, its columns from ``first[b]``
-    by ``step[b]`` (-1: flipped), each value ``v`` of channel ``c`` replaced by
-    ``table[c, v]``: ``(B, C, H, W)`` in the table's dtype. ``channel``, ``rows``,
-    ``cols``: ``arange(C)``, ``arange(H)``, ``arange(W)`` on the device. Eager: row and
-    column indices, a gather (one pass over the pixels), a conversion to int32 and the
-    lookup; under ``torch.compile``, one kernel that reads each crop's pixels once and
-    writes the batches once."""
-    rows = dy[:, None] + rows  # (B, H)
-    cols = torch.addcmul(first[:, None], step[:, None], cols)  # (B, W)
-    # one gather, the index tensors broadcast to (B, H, W): (B, H, W, C) uint8
-    pixels = data[index[:, None, None], rows[:, :, None], cols[:, None, :]]
-    if channels_last:  # (B, H, W, C) seen as (B, C, H, W): channels_last
+def _lookup_table(norm: tuple[torch.Tensor, torch.Tensor],
+                  dtype: torch.dtype) -> torch.Tensor:
+    """``(C, 256)`` on ``norm``'s device: every normalised value of each channel,
+    computed as ``reference_augment`` computes it (float32, a multiply then an add,
+    rounded to ``dtype``), so that a lookup gives the same bits."""
+    scale, shift = (t.reshape(-1, 1) for t in norm)
+    values = torch.arange(256, dtype=torch.float32, device=scale.device)
+    return values.mul(scale).add(shift).to(dtype)
+
+
+def crop_and_look_up(windows: torch.Tensor, table: torch.Tensor, starts: torch.Tensor,
+                     flipped, channels_last: bool) -> torch.Tensor:
+    """The GPU loader's augmentation under ``compile=True``: the crops
+    ``windows[starts]`` (``_windows``), mirrored where ``flipped`` (bool, one per
+    image; ``None``: none), each value ``v`` of channel ``c`` replaced by ``table[c,
+    v]`` (``_lookup_table``): ``(n, C, H, W)`` in the table's dtype.
+
+    Written for ``torch.compile``, which makes it one kernel that reads each crop's
+    pixels once and writes the batches once, the lookup's indices in registers. Run
+    eagerly (as the tests do, on a few images) the lookup's index is a tensor of one
+    int64 per value, 8 bytes for each byte of pixels: the eager loader normalises by
+    arithmetic instead (``_crop_flip_normalise``)."""
+    channels = table.shape[0]
+    n, (_, height, row) = starts.shape[0], windows.shape
+    pixels = windows.index_select(0, starts).view(n, height, row // channels, channels)
+    if flipped is not None:
+        pixels = torch.where(flipped.view(n, 1, 1, 1), pixels.flip(2), pixels)
+    channel = torch.arange(channels, device=table.device)
+    if channels_last:  # (n, H, W, C) seen as (n, C, H, W): channels_last
         return table[channel, pixels.int()].permute(0, 3, 1, 2)
-    # the conversion writes (B, C, H, W) in order, and the lookup follows its layout
+    # the conversion writes (n, C, H, W) in order, and the lookup follows its layout
     return table[channel[:, None, None], pixels.permute(0, 3, 1, 2).to(
         torch.int32, memory_format=torch.contiguous_format)]
 
@@ -379,8 +412,12 @@ def _compiled_augmentation(device: torch.device, compile: bool):
     if problem is not None:
         raise ValueError(f"compile=True, but {problem}")
     if not _COMPILED:
-        # dynamic: an epoch resumed mid-way, or a last chunk, has another length
-        _COMPILED.append(torch.compile(crop_and_look_up, dynamic=True))
+        # sizes static at first: dynamo's automatic dynamic shapes recompile once, with
+        # the number of images alone symbolic, for an epoch of another length (resumed,
+        # or a last chunk). No bounds check per element: every start is in range by
+        # construction (the plan's, from checked draws), and a table index is a uint8.
+        _COMPILED.append(torch.compile(crop_and_look_up,
+                                       options={"assert_indirect_indexing": False}))
     return _COMPILED[0]
 
 
@@ -407,18 +444,27 @@ def _as_nhwc(images, channels: int) -> torch.Tensor:
 
 def resident_bytes(images, padding: int = 4, dtype: torch.dtype = torch.float32,
                    num_replicas: int = 1) -> int:
-    """Bytes a ``GPULoader`` of ``images`` (``(N, H, W, C)``) allocates on its device
-    at most: the uint8 images with their ``padding`` border, kept; and while an epoch is
-    set up, for this rank's ``N / num_replicas`` images, its plan (5 int64 per image),
-    the gathered uint8 pixels, their int32 copy and the batches in ``dtype``."""
+    """The most bytes a ``GPULoader`` of ``images`` (``(N, H, W, C)``; an array of that
+    shape is enough) has allocated on its device at once, with each epoch set up whole
+    (a GPU's default): the uint8 images with their ``padding`` border, kept; and while
+    an epoch is set up, for this rank's ``n = N / num_replicas`` images, whose crops
+    are ``P = n H W C`` bytes of uint8, the plan on the device (3 int64 and a bool per
+    image) and the most the set-up holds at once: the crops beside their float32 copy
+    (``5 P``) or, for a 2-byte ``dtype``, that copy beside the batches (``6 P``).
+
+    ``tests/test_gpu_loader.py`` checks it against every allocation of a real set-up
+    and epoch, measured on the CPU (the same operations, the same tensors), within
+    10 %. The batches (``4 P``, or ``2 P``) stay until the epoch's last batch is let go:
+    a batch of one epoch still held while the next is set up adds them. ``compile=True``
+    allocates less (the plan and the batches)."""
     n, height, width, channels = (int(d) for d in images.shape)
     padding = _check_padding(padding)
     kept = n * (height + 2 * padding) * (width + 2 * padding) * channels
     mine = -(-n // check_int("num_replicas", num_replicas, minimum=1))
     pixels = mine * height * width * channels
-    itemsize = torch.empty((), dtype=_check_dtype(dtype)).element_size()
-    # at the peak: the int32 copy and either the uint8 pixels or the batches beside it
-    return kept + mine * 5 * 8 + pixels * (4 + max(1, itemsize))
+    itemsize = _check_dtype(dtype).itemsize
+    # the uint8 crops, or the batches in a 2-byte dtype, beside the float32 copy
+    return kept + mine * (3 * 8 + 1) + pixels * (4 + (1 if itemsize == 4 else itemsize))
 
 
 def _resolve_world(num_replicas, rank) -> tuple[int, int]:
@@ -446,20 +492,21 @@ class GPULoader:
 
     The images are kept with their zero border (``padding``) already added. Each
     epoch's order and draws are a plan made on the host (NumPy: no tensor operation
-    but the permutation), copied to the device at once (pinned, no wait); then
-    augmenting the rest of the epoch takes a fixed number of tensor operations
-    whatever its length (row and column indices, one gather of the crops, flips
-    included, and on a GPU a conversion to int32 and a lookup in a ``(C, 256)`` table
-    of the normalised values in ``dtype``: three passes over the pixels; on the CPU a
-    conversion, a multiply and an add, which vectorise), and each batch is two slices
-    of the result, no kernel. The next epoch's plan is made while the first
-    batch of this one trains. That costs ``resident_bytes`` on the device;
-    ``chunk_batches=k`` makes ``k`` batches at a time, for the same batches (the
-    default: the whole epoch on a GPU, ``CPU_CHUNK_IMAGES`` images at a time on the
-    CPU, where the pixels then stay in the cache and the first batch comes at once).
-    ``compile=True``: on a GPU the gather and the lookup become one kernel
-    (``torch.compile``; the first epoch then waits for the compilation, once per
-    process and layout).
+    but the permutation): per image, where its crop begins in the padded set, whether
+    it is mirrored, and its label, copied to the device at once (pinned, no wait).
+    Then augmenting the rest of the epoch takes a fixed number of tensor operations
+    whatever its length (``_crop_flip_normalise``: one ``index_select`` of the crops,
+    with one index per image, a ``flip`` and a ``where`` for the mirrored ones, a
+    conversion to float32, a multiply and an add, and the conversion to ``dtype``),
+    and each batch is two slices of the result, no kernel. The next epoch's plan is
+    made while the first batch of this one trains. That costs ``resident_bytes`` on
+    the device; ``chunk_batches=k`` makes ``k`` batches at a time, for the same
+    batches (the default: the whole epoch on a GPU, ``CPU_CHUNK_IMAGES`` images at a
+    time on the CPU, where the pixels then stay in the cache and the first batch comes
+    at once). ``compile=True``: on a GPU the gather, the flip and the normalisation,
+    by a lookup in a ``(C, 256)`` table of the normalised values in ``dtype``, become
+    one kernel (``crop_and_look_up``, ``torch.compile``; the first epoch then waits for
+    the compilation, once per process and layout).
     """
 
     def __init__(self, images, labels, batch_size: int, *,
@@ -492,24 +539,19 @@ class GPULoader:
         self.data = F.pad(nhwc.to(self.device), (0, 0, p, p, p, p)).contiguous()
         self.height, self.width = nhwc.shape[1], nhwc.shape[2]
         self.labels = targets.astype(np.int64)  # on the host: they travel with the plan
+        # each crop one item of a view of the padded set: one index per image
+        self.windows = _windows(self.data, self.height, self.width)
         self.dtype = _check_dtype(dtype)
-        # every normalised value, per channel, computed as reference_augment computes
-        # it (float32, then rounded to dtype): a lookup gives the same bits
-        scale, shift = _norm_constants(mean, std, "cpu")
-        values = torch.arange(256, dtype=torch.float32).view(1, 256)
-        self.table = (values.mul(scale.view(-1, 1)).add(shift.view(-1, 1))
-                      .to(self.dtype).to(self.device))
-        self.channel = torch.arange(len(mean), device=self.device)
         self.norm = _norm_constants(mean, std, self.device)
-        # normalise by the table on a GPU (memory-bound: three passes over the pixels);
-        # on the CPU by float arithmetic, which vectorises where a lookup does not
-        self.lookup = self.device.type == "cuda"
-        self.compiled = _compiled_augmentation(self.device, compile)
+        compiled = _compiled_augmentation(self.device, compile)  # checked anywhere
+        cuda = self.device.type == "cuda"
+        # on a GPU, compile=True normalises by a lookup: one kernel, the same bits
+        self.compiled = compiled if cuda else None
+        self.table = (_lookup_table(self.norm, self.dtype)
+                      if self.compiled is not None else None)
         # batches augmented at a time by default (None: the whole epoch, on a GPU)
-        self.default_chunk = (None if self.device.type == "cuda"
+        self.default_chunk = (None if cuda
                               else max(1, CPU_CHUNK_IMAGES // self.batch_size))
-        self.rows = torch.arange(self.height, device=self.device)
-        self.cols = torch.arange(self.width, device=self.device)
         self.chunk_batches = (None if chunk_batches is None else
                               check_int("chunk_batches", chunk_batches, minimum=1))
         self._next_plan = None  # ((epoch, start_batch), plan) made ahead
@@ -543,16 +585,15 @@ class GPULoader:
 
     def _plan(self, epoch: int, start_batch: int) -> torch.Tensor:
         """The plan of ``epoch`` from batch ``start_batch``, on the host: an int64
-        ``(5, n)`` tensor of each image's index, crop row, first column, column step
-        (-1: flipped) and label, pinned when it goes to a GPU."""
-        b = self.batch_size
+        ``(3, n)`` tensor of each image's crop start (its top-left pixel in the padded
+        images laid end to end: an item of ``self.windows``), flip (1: mirrored) and
+        label, pinned when it goes to a GPU."""
+        b, p = self.batch_size, self.padding
         order = self._indices(epoch)[start_batch * b:self.num_batches * b]
-        dy, dx, flipped = _draws_np(_epoch_key(self.seed, epoch), order,
-                                    2 * self.padding + 1)
-        flipped &= self.flip
-        step = 1 - 2 * flipped.astype(np.int64)
-        plan = np.stack([order, dy, dx + (self.width - 1) * flipped, step,
-                         self.labels[order]])
+        dy, dx, flipped = _draws_np(_epoch_key(self.seed, epoch), order, 2 * p + 1)
+        padded_width = self.width + 2 * p
+        start = (order * (self.height + 2 * p) + dy) * padded_width + dx
+        plan = np.stack([start, flipped & self.flip, self.labels[order]])
         if self.device.type != "cuda":
             return torch.from_numpy(plan)
         pinned = torch.empty(plan.shape, dtype=torch.int64, pin_memory=True)
@@ -571,30 +612,23 @@ class GPULoader:
         plan = plan.to(self.device, non_blocking=True)
         chunk = self.chunk_batches or self.default_chunk or max(len(self), 1)
         for begin in range(0, plan.shape[1], chunk * b):
-            index, dy, first, step, labels = plan[:, begin:begin + chunk * b]
-            images = self._augment(index, dy, first, step)
-            for start in range(0, len(index), b):  # slices: views, no kernel
+            starts, flipped, labels = plan[:, begin:begin + chunk * b]
+            images = self._augment(starts, flipped)
+            for start in range(0, len(starts), b):  # slices: views, no kernel
                 yield images[start:start + b], labels[start:start + b]
                 if self._next_plan is None and self.seed + key[0] < MAX_SEED:
                     # the next epoch's plan, on the host, while this batch trains
                     self._next_plan = ((key[0] + 1, 0), self._plan(key[0] + 1, 0))
 
-    def _augment(self, index, dy, first, step) -> torch.Tensor:
-        """The crops of ``index`` (rows from ``dy``, columns from ``first`` by
-        ``step``) in the padded images, normalised (by the lookup table on a GPU):
-        ``(B, C, H, W)`` in ``self.dtype``."""
-        if self.lookup:
-            crop = self.compiled or crop_and_look_up
-            return crop(self.data, self.table, self.channel, self.rows, self.cols,
-                        index, dy, first, step, self.channels_last)
-        rows = dy[:, None] + self.rows  # (B, H)
-        cols = torch.addcmul(first[:, None], step[:, None], self.cols)  # (B, W)
-        pixels = self.data[index[:, None, None], rows[:, :, None], cols[:, None, :]]
-        # the CPU: float arithmetic, vectorised, on pixels still in the cache
-        layout = torch.channels_last if self.channels_last else torch.contiguous_format
-        x = pixels.permute(0, 3, 1, 2).to(torch.float32, memory_format=layout)
-        x = x.mul_(self.norm[0]).add_(self.norm[1])
-        return x if self.dtype == torch.float32 else x.to(self.dtype)
+    def _augment(self, starts: torch.Tensor, flipped: torch.Tensor) -> torch.Tensor:
+        """The crops starting at ``starts`` (items of ``self.windows``), mirrored where
+        ``flipped`` is 1, normalised: ``(n, C, H, W)`` in ``self.dtype``."""
+        mirrored = flipped.bool() if self.flip else None
+        if self.compiled is not None:
+            return self.compiled(self.windows, self.table, starts, mirrored,
+                                 self.channels_last)
+        return _crop_flip_normalise(self.windows, starts, mirrored, self.norm,
+                                    self.channels_last, self.dtype)
 
     def __repr__(self) -> str:
         return (f"GPULoader({self.dataset_len} images of "
