@@ -16,12 +16,14 @@ import os
 import sys
 import time
 
+import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DistributedSampler
 
 from . import results
 from .results import environment  # re-exported: the benchmarks' files name it
-from .samplers import PermutationShardSampler, ShardSampler
+from .samplers import (PermutationShardSampler, ShardSampler, _legacy_feistel,
+                       cycle_walk)
 
 __all__ = ["bench_sampler", "bench_samplers", "bench_ddp", "bench_restart",
            "environment"]
@@ -139,6 +141,58 @@ def _sampler_case(kind: str, n: int, num_replicas: int) -> dict:
     return dict(case, rates_per_s=rates)
 
 
+class _LegacySampler(PermutationShardSampler):
+    """``PermutationShardSampler`` as it drew the Feistel order before issue 48: the
+    same chunks, with the uint64 network (``_legacy_feistel``) and that version's
+    lookup (``permute``'s range check, a copy to int64). Only for measuring the new
+    network against it in one process; its orders are no longer the sampler's."""
+
+    def _lookup(self):
+        if self.shuffle != "feistel":
+            return super()._lookup()
+        keys, n = self.keys(), self.n
+
+        def legacy_permute(positions) -> np.ndarray:
+            x = np.asarray(positions, dtype=np.uint64)
+            if x.size and int(x.max()) >= n:
+                raise ValueError(f"positions must lie in [0, {n})")
+            return cycle_walk(x, n, keys, _legacy_feistel).astype(np.int64)
+
+        return legacy_permute
+
+
+# the loop bodies the new network is compared on with the legacy one
+_COMPARED = ("for i in sampler: pass",
+             "BatchSampler(sampler, 256, False) (what a DataLoader does)")
+
+
+def _legacy_comparison(n: int, num_replicas: int, rounds: int = 2) -> dict:
+    """Rank 0's whole epoch at ``n`` through each loop body of ``_COMPARED``, with the
+    new network and the legacy one (``exact_max_n=0``: the network at every ``n``),
+    alternating, ``rounds`` times, in this process; rates in indices per second of
+    this thread's CPU time (``time.thread_time``), which other processes' load on a
+    shared machine does not count."""
+    samplers = {"new": PermutationShardSampler, "legacy": _LegacySampler}
+    rates = {kind: {body: [] for body in _COMPARED} for kind in samplers}
+    count = len(PermutationShardSampler(n, num_replicas, 0))
+    for _ in range(rounds):
+        for body in _COMPARED:
+            for kind, make in samplers.items():
+                sampler = make(n, num_replicas, 0, exact_max_n=0)
+                start = time.thread_time()
+                got = _LOOPS[body](sampler)
+                rates[kind][body].append(count / (time.thread_time() - start))
+                assert got == count, f"{kind} {body}: {got} indices, expected {count}"
+    best = {kind: {body: max(r) for body, r in by_body.items()}
+            for kind, by_body in rates.items()}
+    return {"n": n, "num_replicas": num_replicas, "rank": 0, "indices": count,
+            "rounds": rounds, "clock": "time.thread_time",
+            "rates_per_thread_cpu_s": rates,
+            "best_rates_per_thread_cpu_s": best,
+            "new_over_legacy": {body: best["new"][body] / best["legacy"][body]
+                                for body in _COMPARED}}
+
+
 _METHOD = (
     "one run; each case in a fresh Python process, rank 0 of num_replicas (torch: "
     "DistributedSampler(range(n), num_replicas, rank=0); ours: "
@@ -158,28 +212,46 @@ _METHOD = (
     "sampler.index_batches(256): pass`, int64 arrays of 256, no Python int per "
     "index (ours only). The loop body changes the rate: compare rates of one body. "
     "index_batches_over_for_loop: ours' rates_per_s of 'sampler.index_batches(256) "
-    "(NumPy)' over its 'for i in sampler: pass'")
+    "(NumPy)' over its 'for i in sampler: pass'. legacy_comparison: at the largest n, "
+    "in one more fresh process, rank 0's whole epoch through 'for i in sampler: pass' "
+    "and 'BatchSampler(sampler, 256, False)' with the Feistel network of this version "
+    "('new': PermutationShardSampler(n, num_replicas, 0, exact_max_n=0)) and with the "
+    "one before issue 48 ('legacy': the same sampler with the uint64 network, "
+    "utils.bench._LegacySampler), alternating new and legacy, each from building a "
+    "fresh sampler to the end of the loop, 'rounds' times; rates in indices per "
+    "second of the loop's thread-CPU time (time.thread_time), new_over_legacy the "
+    "ratio of the best rates")
 
 
-def bench_samplers(sizes=(10**6, 10**7, 10**8, 10**9), num_replicas: int = 8,
-                   torch_max: int = 10**8) -> dict:
-    """``DistributedSampler`` against ``PermutationShardSampler``: for each ``n``, one
-    rank's epoch in a fresh process per case (so peak memory is the case's own)."""
+def _in_fresh_process(call: str):
+    """What ``utils.bench``'s function call ``call`` (Python source) returns, run in
+    a fresh Python process, as JSON."""
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = f"import json; import utils.bench as b; print(json.dumps(b.{call}))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def bench_samplers(sizes=(10**6, 10**7, 10**8, 10**9), num_replicas: int = 8,
+                   torch_max: int = 10**8, compare_rounds: int = 2) -> dict:
+    """``DistributedSampler`` against ``PermutationShardSampler``: for each ``n``, one
+    rank's epoch in a fresh process per case (so peak memory is the case's own); then
+    the Feistel network against the one before issue 48 at the largest ``n``
+    (:func:`_legacy_comparison`), in a fresh process too."""
     cases = {}
     for n in sizes:
         for kind in ("torch", "ours"):
             if kind == "torch" and n > torch_max:
                 continue
-            code = (f"import json; from utils.bench import _sampler_case; "
-                    f"print(json.dumps(_sampler_case({kind!r}, {n}, {num_replicas})))")
-            out = subprocess.run([sys.executable, "-c", code], cwd=root, check=True,
-                                 capture_output=True, text=True).stdout
-            cases[f"{kind} {n}"] = dict(json.loads(out.splitlines()[-1]), kind=kind,
-                                        n=n)
+            case = _in_fresh_process(f"_sampler_case({kind!r}, {n}, {num_replicas})")
+            cases[f"{kind} {n}"] = dict(case, kind=kind, n=n)
             _print_case(cases[f"{kind} {n}"])
+    comparison = _in_fresh_process(
+        f"_legacy_comparison({max(sizes)}, {num_replicas}, {compare_rounds})")
+    _print_comparison(comparison)
     ratios = {n: cases[f"torch {n}"]["first_index_s"] / cases[f"ours {n}"][
         "first_index_s"] for n in sizes if f"torch {n}" in cases}
     rates = {n: cases[f"ours {n}"]["rates_per_s"] for n in sizes}
@@ -193,7 +265,18 @@ def bench_samplers(sizes=(10**6, 10**7, 10**8, 10**9), num_replicas: int = 8,
                 f"(a list of n Python ints, ~28 B each plus an 8 B pointer, plus "
                 f"the int64 tensor): more than this machine's memory")
                 for n in sizes if n > torch_max},
+            "legacy_comparison": comparison,
             "method": _METHOD}
+
+
+def _print_comparison(c: dict) -> None:
+    print(f"n={c['n']}, rank 0 of {c['num_replicas']}, per second of thread-CPU "
+          f"time, best of {c['rounds']}:", flush=True)
+    for body, ratio in c["new_over_legacy"].items():
+        best = c["best_rates_per_thread_cpu_s"]
+        print(f"{'':18}{best['new'][body] / 1e6:6.1f} M/s new, "
+              f"{best['legacy'][body] / 1e6:6.1f} M/s legacy: {ratio:.2f}x  {body}",
+              flush=True)
 
 
 def _print_case(c: dict) -> None:
@@ -398,7 +481,11 @@ SOURCES = {"sampler": ["utils/samplers.py", "utils/bench.py::bench_sampler",
                         "utils/bench.py::_LOOPS", "utils/bench.py::_plain_loop",
                         "utils/bench.py::_count_loop", "utils/bench.py::_METHOD",
                         "utils/bench.py::_batch_sampler_loop",
-                        "utils/bench.py::_index_batches_loop"],
+                        "utils/bench.py::_index_batches_loop",
+                        "utils/bench.py::_in_fresh_process",
+                        "utils/bench.py::_LegacySampler",
+                        "utils/bench.py::_COMPARED",
+                        "utils/bench.py::_legacy_comparison"],
            "ddp": ["utils/ddp.py", "utils/launch.py", "utils/bench.py::bench_ddp",
                    "utils/bench.py::_ddp_step_times", "utils/bench.py::_ddp_wrappers",
                    "utils/bench.py::_torch_ddp_buckets"],

@@ -509,12 +509,25 @@ EXACT_MAX_N = 2**20
 # round functions: nothing once a whole epoch (2**bits positions) is read; 4 rounds on
 # small halves are visibly non-uniform (chi-square 2,768 at n = 8). Grain's and
 # TensorFlow's index shuffles use 4 Simon rounds, on 16 bits at least. 8 rounds (FF3-1's
-# count; FF1 has 10) with a full 64-bit round function pass every joint test in
-# tests/test_permutation_sampler.py, down to n = 5.
+# count; FF1 has 10) pass every joint test in tests/test_permutation_sampler.py, down to
+# n = 5. At n = 8 (2-bit halves) the first-pair chi-square is the rounds' limit, not the
+# round function's: 8 rounds of truly random round functions give about 70 too (10
+# rounds about 55, 6 about 230; simulated, 4 x 28,000 draws each).
 _ROUNDS = 8
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's multipliers and shifts
+# The round function works on uint32: a half has at most 31 bits (n <= 2**62). Its
+# multipliers are lowbias32's (Chris Wellons' hash-prospector), its key the round key's
+# two 32-bit words, one XORed in, one added.
+_M1 = np.uint32(0x7FEB352D)
+_M2 = np.uint32(0x846CA68B)
+_SHIFT = np.uint32(16)
+_LOW32 = np.uint64(0xFFFFFFFF)
+# splitmix64's multipliers and shifts: the network before issue 48 (_legacy_feistel)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 _SHIFTS = np.uint64(30), np.uint64(27), np.uint64(31)
+# The Feistel order's version, in the sampler's states: 2 since issue 48 (uint32
+# rounds); the states of version 1 (8 rounds on uint64) carry no "network"
+_NETWORK = 2
 _EXACT_TAG = 0x5045524D  # "PERM": the exact order's stream is no other sampler's
 _FIRST_CHUNK = 1024  # small, so the first index comes quickly
 _MAX_CHUNK = 1 << 16  # large enough to amortise NumPy's per-call cost
@@ -558,11 +571,11 @@ def _fmix64(x: np.ndarray, scratch: np.ndarray) -> None:
     x ^= scratch
 
 
-def _feistel(x: np.ndarray, bits: int, keys: np.ndarray) -> np.ndarray:
-    """One pass of the Feistel network on ``[0, 2**bits)`` (``x`` uint64, kept): one
-    round per key. The round function mixes the right half with the round's key (which
-    the round's number went into) through all 64 bits, twice, and keeps the top
-    ``bits / 2`` bits: ``fmix(fmix(right ^ key) + key) >> (64 - bits / 2)``."""
+def _legacy_feistel(x: np.ndarray, bits: int, keys: np.ndarray) -> np.ndarray:
+    """The sampler's network before issue 48, kept only to measure the new one against
+    (``utils.bench``, the speed test): 8 rounds on uint64, each round function
+    ``fmix64(fmix64(right ^ key) + key) >> (64 - bits / 2)``, 20 NumPy passes a
+    round. Its orders are no longer drawn."""
     half = np.uint64(bits // 2)
     mask = np.uint64((1 << (bits // 2)) - 1)
     top = np.uint64(64 - bits // 2)
@@ -580,6 +593,53 @@ def _feistel(x: np.ndarray, bits: int, keys: np.ndarray) -> np.ndarray:
     left <<= half
     left |= right
     return left
+
+
+def _rounds(left: np.ndarray, right: np.ndarray, half: int,
+            keys: np.ndarray) -> np.ndarray:
+    """The Feistel rounds on uint32 halves of ``half`` bits, one per key, in place
+    (``left`` and ``right`` are overwritten); returns ``(left << half) | right``
+    as uint32 when ``2 * half <= 32``, else as uint64. The round function takes the
+    round key's low word ``a`` and high word ``b``:
+    ``(xorshift16((right ^ a) * M1) + b) * M2 >> (32 - half)``, 8 uint32 passes."""
+    lows = (keys & _LOW32).astype(np.uint32)
+    highs = (keys >> np.uint64(32)).astype(np.uint32)
+    top = np.uint32(32 - half)
+    f, scratch = np.empty_like(right), np.empty_like(right)
+    for a, b in zip(lows, highs):
+        np.bitwise_xor(right, a, out=f)
+        f *= _M1
+        np.right_shift(f, _SHIFT, out=scratch)
+        f ^= scratch
+        f += b
+        f *= _M2
+        f >>= top
+        left ^= f
+        left, right = right, left
+    if 2 * half <= 32:
+        left <<= np.uint32(half)
+        left |= right
+        return left
+    out = left.astype(np.uint64)
+    out <<= np.uint64(half)
+    out |= right
+    return out
+
+
+def _feistel(x: np.ndarray, bits: int, keys: np.ndarray) -> np.ndarray:
+    """One pass of the Feistel network on ``[0, 2**bits)`` (``x`` uint64, kept; the
+    result uint64): one round per key (``keys``: one uint64 per round, or a row of
+    them per element), each on uint32 halves of ``bits / 2`` bits (see
+    :func:`_rounds`)."""
+    half = bits // 2
+    if bits <= 32:
+        right = x.astype(np.uint32)
+        left = right >> np.uint32(half)
+        right &= np.uint32((1 << half) - 1)
+    else:
+        left = (x >> np.uint64(half)).astype(np.uint32)
+        right = (x & np.uint64((1 << half) - 1)).astype(np.uint32)
+    return _rounds(left, right, half, keys).astype(np.uint64, copy=False)
 
 
 def permute(positions, n: int, keys: np.ndarray) -> np.ndarray:
@@ -601,7 +661,7 @@ def permute(positions, n: int, keys: np.ndarray) -> np.ndarray:
                          f"on at most 64 bits, and indices must fit an int64")
     if x.size == 0:
         return x.astype(np.int64)
-    return cycle_walk(x, n, keys).astype(np.int64)
+    return cycle_walk(x, n, keys).view(np.int64)  # a new array, all below 2**62
 
 
 def cycle_walk(x: np.ndarray, n: int, keys: np.ndarray, network=None) -> np.ndarray:
@@ -856,7 +916,12 @@ class PermutationShardSampler(_EpochSampler):
                 # nothing of the epoch left for the run that saves it
                 "finished": bool(finished) or self._count(consumed) == 0,
                 "global_batch_size": self.global_batch_size,
-                "shuffle": self.shuffle}
+                "shuffle": self.shuffle, **self._network_version()}
+
+    def _network_version(self) -> dict:
+        """The Feistel order's version, in its states only: a state of the network
+        drawn before (no "network") names other indices for the same positions."""
+        return {"network": _NETWORK} if self.shuffle == "feistel" else {}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state``: the next iteration yields this rank's share of the
@@ -892,6 +957,14 @@ class PermutationShardSampler(_EpochSampler):
         if state["shuffle"] != self.shuffle:
             raise ValueError(f"state was saved with the {state['shuffle']} order, this "
                              f"sampler uses the {self.shuffle} one: keep exact_max_n")
+        if state.get("network") != self._network_version().get("network"):
+            raise ValueError(
+                f"state was saved with version {state.get('network', 1)} of the "
+                f"Feistel order (version 1: 64-bit round functions, before issue 48), "
+                f"this sampler draws version {_NETWORK}: resuming it would repeat "
+                f"some samples and skip others; finish that epoch with the version "
+                f"that saved it, or start it over (set_epoch(state['epoch']) without "
+                f"loading)")
         seed, epoch = check_seed_and_epoch(state["seed"], state["epoch"])
         consumed = check_int("state['consumed']", state["consumed"], minimum=0)
         # set_epoch chose a later epoch before this load (a restarted script that sets
