@@ -269,3 +269,19 @@ def test_a_training_step_with_the_gpu_loader_makes_the_host_wait_for_nothing(tmp
                 "--global-batch", "64", "--workers", "0", "--no-progress", "--device", "cpu",
                 "--loader", "gpu"], step=watched)
     assert not reads and mode.seen == []
+
+
+def test_a_resume_keeps_this_runs_fused_sgd_whatever_the_checkpoint_had(tmp_path, monkeypatch):
+    """Optimizer.load_state_dict replaces the param groups, "fused" with them: a CUDA run resumed
+    from a checkpoint of a CPU run (unfused) ran unfused, and with --amp fp16 its scaler's step
+    failed ("Expected grad_scale and found_inf to be None"). Fused SGD runs on the CPU too."""
+    out = tiny_run(tmp_path, "--stop-at-step", "2")  # on the CPU: not fused
+    build, resume, seen = train.steps.build_model, train.steps.resume_or_start, []
+    monkeypatch.setattr(train.steps, "build_model",
+                        lambda args, steps, fused=False: build(args, steps, fused=True))
+    monkeypatch.setattr(train.steps, "resume_or_start",
+                        lambda *args: seen.append(resume(*args)) or seen[-1])
+    train.main(["--data", str(tmp_path / "data"), "--out", str(out), "--epochs", "1",
+                "--global-batch", "64", "--workers", "0", "--no-progress", "--device", "cpu",
+                "--resume", "--stop-at-step", "3"])
+    assert [g["fused"] for g in seen[0].optimizer.param_groups] == [True]

@@ -510,9 +510,7 @@ EXACT_MAX_N = 2**20
 # small halves are visibly non-uniform (chi-square 2,768 at n = 8). Grain's and
 # TensorFlow's index shuffles use 4 Simon rounds, on 16 bits at least. 8 rounds (FF3-1's
 # count; FF1 has 10) pass every joint test in tests/test_permutation_sampler.py, down to
-# n = 5. At n = 8 (2-bit halves) the first-pair chi-square is the rounds' limit, not the
-# round function's: 8 rounds of truly random round functions give about 70 too (10
-# rounds about 55, 6 about 230; simulated, 4 x 28,000 draws each).
+# n = 5.
 _ROUNDS = 8
 # The round function works on uint32: a half has at most 31 bits (n <= 2**62). Its
 # multipliers are lowbias32's (Chris Wellons' hash-prospector), its key the round key's

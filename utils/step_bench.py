@@ -14,8 +14,9 @@ through a bare DDP loop (move the batch, forward, loss, backward, optimizer step
 nothing else), over the same loader, the same epoch's batches and the same wrapped
 model. A warm-up epoch of each comes first and is not counted. Each loop is timed from
 a barrier to the end of its last step on the device, in wall time and in rank 0's
-main thread's CPU time (``time.thread_time``: what the host spent, not what it waited
-for, which on the CPU is the other rank and gloo). The figures are paired: each round's
+main thread's CPU time (``time.thread_time``: on the CPU what the host spent, not what
+it waited for, the other rank and gloo; on CUDA the host spins while it waits, and that
+counts). The figures are paired: each round's
 ratio of the two rates, reported as min / median / max, so that a reader sees whether
 the spread is narrower than the difference. With CUDA, one more epoch of each loop runs
 under the profiler for its GPU-busy share (the time in which a kernel ran), and one of
@@ -148,9 +149,11 @@ def covered_fraction(busy: list[tuple[float, float]],
 
 
 def gpu_busy(run, job) -> float | None:
-    """The share of one call of ``run`` in which this GPU ran a kernel (the profiler's
-    kernel intervals over the span of everything it recorded); ``None`` without
-    CUDA."""
+    """The share of one call of ``run`` in which this GPU ran something (the union of
+    the profiler's CUDA intervals, kernels, copies and sets, over the span of
+    everything it recorded); ``None`` without CUDA. Biased up where NCCL's kernels
+    wait for another rank (they spin), and down by the profiler's own cost to each
+    launch from the host."""
     if not job.cuda:
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -169,8 +172,9 @@ def gpu_busy(run, job) -> float | None:
 
 
 def host_syncs(run, job) -> int | None:
-    """How many times one call of ``run`` made the host wait for this GPU
-    (``torch.cuda.set_sync_debug_mode("warn")``: each synchronising call warns);
+    """How many times one call of ``run`` made the host wait for this GPU, as
+    ``torch.cuda.set_sync_debug_mode("warn")`` sees them (a lower bound: torch says
+    not every synchronising operation warns, torch.distributed's among them);
     ``None`` without CUDA."""
     if not job.cuda:
         return None
@@ -190,7 +194,9 @@ def host_syncs(run, job) -> int | None:
 def ceiling(mine, args, job, data, training) -> dict:
     """The GPU-bound ceiling: forward, backward and the optimizer's step on one batch
     already on the device, again and again, with no loader and no DDP, compiled with
-    CUDA as CUDA graphs (``mode="reduce-overhead"``): what the GPU alone allows.
+    CUDA as CUDA graphs (``mode="reduce-overhead"``): what the GPU alone allows (the
+    loops run the model as the script does, eager unless ``--compile``: the ratio
+    counts Inductor's fused kernels too).
     Its steps/s (the median of ``--rounds`` epochs, after a warm-up) and GPU-busy
     share."""
     model = training.model
@@ -223,6 +229,15 @@ def ceiling(mine, args, job, data, training) -> dict:
             "gpu_busy": gpu_busy(epoch, job)}
 
 
+def _inductor_counters() -> dict:
+    """What torch.compile counted (``cudagraph_skips``: graphs that ran without CUDA
+    graphs, which the log names with ``TORCH_LOGS=cudagraphs``); empty if nothing was
+    compiled."""
+    from torch._dynamo.utils import counters
+
+    return {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
+
+
 def main(argv=None) -> dict | None:
     mine, args = parse(argv)
     if args.deterministic:
@@ -247,7 +262,7 @@ def main(argv=None) -> dict | None:
         if job.master:
             result = report(args, mine, job, data, seconds, cpu_seconds, argv)
             result.update(gpu_busy=busy, capstone_host_syncs_per_epoch=syncs,
-                          ceiling=top)
+                          ceiling=top, inductor_counters=_inductor_counters())
             if top:
                 result["capstone_over_ceiling"] = round(
                     result["capstone_steps_per_s"] / top["steps_per_s"], 3)

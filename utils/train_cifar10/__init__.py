@@ -31,12 +31,16 @@ and the index); ``--loader auto``, the default, takes it with CUDA when the trai
 set fits (see ``choose_loader``), else the DataLoader with worker processes. On CUDA
 the model and its inputs use ``channels_last``. The training loop waits for the GPU only
 where it must: the loss is summed on the device and read every ``--log-every`` steps
-(progress bar) and at the end of each epoch, and a checkpoint (``--checkpoint-every``,
-each epoch's end) copies the weights off it. ``--sync-bn`` (torch's SyncBatchNorm, off
+(progress bar) and at the end of each epoch, and a checkpoint (every
+``--checkpoint-every`` steps; at the end of every ``--checkpoint-epochs``-th epoch and of
+the last) copies the weights off it. ``--sync-bn`` (torch's SyncBatchNorm, off
 by default) adds a collective to every BatchNorm layer's forward and backward, which
-makes the host wait for the GPU; with CUDA the SGD is fused (one kernel, and ``--amp
-fp16``'s loss scaler hands it its overflow flag on the device: no wait).
-``--compile`` compiles the model.
+makes the host wait for the GPU; with CUDA the SGD is fused (a few kernel launches for
+all parameters, and ``--amp fp16``'s loss scaler hands them its overflow flag on the
+device: no wait).
+``--compile`` compiles the model and the GPU loader's augmentation;
+``--compile-mode reduce-overhead`` then replays the model's kernels as CUDA graphs (one
+launch from the host for many kernels).
 
 Each epoch rank 0 writes one JSON line to ``OUT/metrics.jsonl``: ``epoch``, ``step``,
 ``train_loss`` (the mean over the epoch's steps and ranks), ``test_accuracy``,
@@ -69,7 +73,7 @@ The modules follow the sections of chapters 12 and 13, each of which names its m
 Their imports go one way, to ``steps`` at the top (``tests/test_imports.py`` finds no
 circle, type-only imports included): the shared state sits in ``job`` and ``state``,
 which import none of the modules that take it, and the modules under those take plain
-values. Every name they define is a name of this package too
+values. The names a script or a test needs are names of this package too
 (``utils.train_cifar10.main``); to replace one, patch the module that uses it
 (``utils.train_cifar10.steps``), and a different training step goes to ``main`` or
 ``run`` as ``step=`` (chapter 13's preemption demo).

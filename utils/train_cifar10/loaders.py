@@ -134,7 +134,10 @@ def make_test_loader(args, job: Job, test_set: KeyedAugment, loader: str,
     x = torch.from_numpy(test_set.data[mine]).to(job.device).permute(0, 3, 1, 2)
     mean, std = (t.view(1, -1, 1, 1).to(job.device)
                  for t in (test_set.mean, test_set.std))
-    x = x.float().div_(255).sub_(mean).div_(std).contiguous(
+    # 255 as a tensor on the device: CUDA multiplies by the reciprocal of a Python
+    # number (one bit off, for some values), and divides by a tensor
+    full = torch.full((1, 1, 1, 1), 255.0, device=job.device)
+    x = x.float().div_(full).sub_(mean).div_(std).contiguous(
         memory_format=job.memory_format)
     y = torch.tensor([test_set.targets[i] for i in mine], device=job.device)
     return [(x[i:i + EVAL_BATCH], y[i:i + EVAL_BATCH])

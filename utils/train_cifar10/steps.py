@@ -161,9 +161,9 @@ def build_data(args, job: Job) -> Data:
 
 def build_model(args, steps_per_epoch: int, fused: bool = False):
     """``(model, optimizer, scheduler)``, the same initial weights on every rank.
-    ``fused`` (with CUDA): one kernel updates every parameter, and ``--amp fp16``'s
-    scaler hands it its inf flag on the device, where an SGD that is not fused makes
-    ``GradScaler.step`` read the flag on the host every step."""
+    ``fused`` (with CUDA): a few kernel launches update every parameter, and ``--amp
+    fp16``'s scaler hands them its inf flag on the device, where an SGD that is not
+    fused makes ``GradScaler.step`` read the flag on the host every step."""
     torch.manual_seed(args.seed)  # one seed where ranks must agree: the initial weights
     model = make_model(args.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
@@ -208,6 +208,9 @@ def resume_or_start(args, job: Job, data: Data, model: nn.Module, optimizer,
     if state is not None:
         # after .to(device): moves its buffers there too
         optimizer.load_state_dict(state["optimizer"])
+        # a checkpoint's param groups replace ours, "fused" with them: this run's stays
+        for group in optimizer.param_groups:
+            group["fused"] = optimizer.defaults["fused"]
         scheduler.load_state_dict(state["scheduler"])
         if job.master:
             print(f"resumed from {training.path}: epoch {training.epoch + 1}, step "
