@@ -92,8 +92,13 @@ def test_the_blocks_run_from_a_fresh_clone(tmp_path):
     epochs = [line for line in out if re.match(r"epoch \d+/\d+: train loss ", line)]
     numbers = lambda line: [float(x) for x in re.findall(r"(?:loss|accuracy) ([\d.]+)",
                                                         line)]
-    for ran, page in zip(epochs[:3], shown[4:]):
-        assert ran.split(";")[0] == page.split(";")[0], (ran, page)
+    # the first epoch's loss as the page shows it; after it, another CPU's kernels, which
+    # round otherwise, send the training elsewhere (seen: epoch 2's accuracy 0.259 on an
+    # Intel Xeon, 0.291 on the AMD EPYC that printed the page)
+    assert epochs[0].split(", test")[0] == shown[4].split(", test")[0], (epochs, shown)
+    assert [line.split(":")[0] for line in epochs[:3]] == [line.split(":")[0]
+                                                           for line in shown[4:]]
+    assert numbers(epochs[2])[0] < numbers(epochs[0])[0], epochs  # the loss fell
     # it learned: far above chance (0.10) after 3 epochs (0.92 measured)
     assert numbers(epochs[2])[1] >= 0.5, epochs
     # one line per epoch with images/s and the processes that took part

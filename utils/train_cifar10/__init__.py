@@ -32,8 +32,8 @@ set fits (see ``choose_loader``), else the DataLoader with worker processes. On 
 the model and its inputs use ``channels_last``. The training loop waits for the GPU only
 where it must: the loss is summed on the device and read every ``--log-every`` steps
 (progress bar) and at the end of each epoch, and a checkpoint (every
-``--checkpoint-every`` steps; at the end of every ``--checkpoint-epochs``-th epoch and of
-the last) copies the weights off it. ``--sync-bn`` (torch's SyncBatchNorm, off
+``--checkpoint-every`` steps; at the end of every ``--checkpoint-epochs``-th epoch
+and of the last) copies the weights off it. ``--sync-bn`` (torch's SyncBatchNorm, off
 by default) adds a collective to every BatchNorm layer's forward and backward, which
 makes the host wait for the GPU; with CUDA the SGD is fused (a few kernel launches for
 all parameters, and ``--amp fp16``'s loss scaler hands them its overflow flag on the
