@@ -141,7 +141,7 @@ def test_equal_to_utils_train_cifar10_without_augmentation(data, one_process, tm
         def __init__(self, base, seed, train):
             super().__init__(base, seed, train=False)
 
-    monkeypatch.setattr(full, "KeyedAugment", NotAugmented)
+    monkeypatch.setattr(full.steps, "KeyedAugment", NotAugmented)  # where build_data looks
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the script's OMP_NUM_THREADS=1: the same sums
     try:
