@@ -503,7 +503,7 @@ def test_scripts_speed_starts_no_run_past_its_budget(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_check, "speed_run", run)
     result = gpu_check.scripts_speed_check(2, str(tmp_path))
     assert started == [(10, 90), (70, 80), (130, 20)]  # each one's timeout ends it by the budget
-    assert result["timings"][3]["skipped"] == "the check's 150 s were spent" and not result["passed"]
+    assert result["timings"][3]["skipped"] == "the check's 150 s, or --quick's 6 minutes, were spent" and not result["passed"]
     assert result["data_seconds"] == 10 and result["timings"][3]["command"].startswith(
         "torchrun --standalone --nproc_per_node=2 -m utils.train_cifar10")
 
