@@ -206,16 +206,10 @@ def ceiling(mine, args, job, data, training) -> dict:
     x, y = next(iter(data.train_loader))
     x = x.to(job.device, memory_format=job.memory_format)
     y = y.to(job.device)
-    steps = data.steps_per_epoch
+    batches = [(x, y)] * data.steps_per_epoch
 
     def epoch():
-        for _ in range(steps):
-            with torch.autocast(job.device.type, dtype=torch.bfloat16,
-                                enabled=args.amp is not None):
-                loss = F.cross_entropy(model(x), y)
-            training.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            training.optimizer.step()
+        return bare_epoch(model, training.optimizer, batches, job, args.amp)
 
     seconds = []
     for round_ in range(mine.rounds + 1):
@@ -225,7 +219,7 @@ def ceiling(mine, args, job, data, training) -> dict:
         _settled(job)
         if round_:
             seconds.append(time.perf_counter() - t0)
-    return {"steps_per_s": round(steps / statistics.median(seconds), 2),
+    return {"steps_per_s": round(len(batches) / statistics.median(seconds), 2),
             "gpu_busy": gpu_busy(epoch, job)}
 
 
